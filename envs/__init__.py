@@ -1,0 +1,1 @@
+"""Environments (installed as miles_agent.envs)."""

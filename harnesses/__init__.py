@@ -1,0 +1,1 @@
+"""Agent loops (installed as miles_agent.harnesses)."""

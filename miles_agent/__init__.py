@@ -1,0 +1,2 @@
+"""miles-agent: agentic RL post-training."""
+__version__ = "0.1.0"

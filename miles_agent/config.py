@@ -1,0 +1,218 @@
+"""Typed run configuration: a recipe file plus ``section.key=value`` overrides, one source of truth.
+
+Each section is a frozen dataclass owned by the part that reads it. Nobody reads a config through
+``getattr(args, x, default)``: a key that does not exist is an error at load time, with the closest
+valid key suggested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from miles_agent.errors import UserError
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # A built-in tiny architecture ("tiny-qwen3", "tiny-qwen3-moe") or "hf" with hf_checkpoint set.
+    arch: str = "tiny-qwen3"
+    hf_checkpoint: str | None = None  # any HF-format folder (config.json, safetensors, tokenizer)
+    warm_start: str | None = None  # "builtin" = the env's own SFT warm start (made once, cached)
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "local"
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_batch_size: int = 128  # concurrent sequences the embedded engine decodes together
+    concurrency: int = 128  # episodes in flight at once
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    backend: str = "fsdp2"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192  # micro-batches are packed by token count up to this
+    world_size: int = 1  # FSDP2 ranks; 1 runs in-process
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: str = "grpo"
+    normalize_std: bool = True  # False = Dr.GRPO
+    loss: str = "ppo_clip"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # clip-higher; None = clip_eps
+    kl_coef: float = 0.0  # KL to the reference model as a loss term; 0 = no reference model
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
+    use_rollout_logprobs: bool = True  # rollout logprobs as the old policy (no extra forward)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    name: str = "arith-tools"
+    harness: str = ""  # "" = the environment's default harness
+    tasks: str | None = None  # a folder of tasks, for environments that read one
+    max_turns: int = 4
+    max_total_tokens: int = 1024
+    max_new_tokens_per_turn: int = 96
+    max_observation_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 20
+    seed: int = 0
+    run_dir: str = "runs/latest"
+    checkpoint_every: int = 0  # 0 = only at the end
+    eval_every: int = 0
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise UserError(f"recipe file {p} does not exist; pass a YAML path or one of: "
+                            f"{', '.join(available_recipes())}")
+        return p
+    p = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not p.is_file():
+        raise UserError(f"unknown recipe {name_or_path!r}; choose one of: {', '.join(available_recipes())}, "
+                        "or pass a path to a YAML file")
+    return p
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Build the config: defaults, then the recipe file, then overrides (``section.key=value``)."""
+    data: dict[str, Any] = {}
+    if recipe:
+        path = resolve_recipe(recipe)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise UserError(f"recipe {path} is not valid YAML{where}; fix the file's syntax") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise UserError(f"recipe {path} must be a mapping of sections (model:, rollout:, ...), "
+                            f"not a {type(loaded).__name__}")
+        data = loaded or {}
+    items = overrides.items() if isinstance(overrides, dict) else (_split_override(o) for o in overrides or [])
+    for key, value in items:
+        section, _, name = key.partition(".")
+        if not name:
+            raise UserError(f"override {key!r} must be section.key=value, e.g. train.lr=1e-5")
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise UserError(f"recipe section {section!r} must be a mapping")
+        data[section][name] = value
+    return _build(Config, data, "")
+
+
+def _split_override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise UserError(f"override {text!r} must look like section.key=value, e.g. run.steps=10")
+    return key.strip(), yaml.safe_load(value) if value.strip() else ""
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise UserError(f"config section {where or 'root'!r} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{where}.{key}" if where else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {(where + '.' if where else '') + close[0]!r}?" if close else \
+                f"; valid keys: {', '.join(names)}"
+            raise UserError(f"unknown config key {full!r}{hint}")
+        kwargs[key] = _coerce(hints[key], value, full)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, where)
+            except UserError as e:
+                errors.append(str(e))
+        raise UserError(errors[0])
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise UserError(f"config key {where!r} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, where) for a, v in zip(args, value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"config key {where!r} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise UserError(f"config key {where!r} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-5 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"config key {where!r} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"config key {where!r} must be a string, got {value!r}")
+    return value

@@ -1,0 +1,113 @@
+"""The rollout-engine contract, shaped like SGLang's ``/generate`` so that an SGLang backend is a thin client.
+
+A harness only sees `Policy` (one async ``generate``). The driver also sees `RolloutEngine`: pause and
+resume around weight updates, weight loading, health. Backends: ``local`` (the embedded torch engine,
+`miles_agent.rollout.local`) and, later, ``sglang`` (HTTP client of SGLang servers).
+
+Torch-free on purpose: environment workers import this module.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token or stop string was sampled (it is kept in output_ids)
+    LENGTH = "length"  # max_new_tokens or the context limit was reached
+    ABORT = "abort"  # the request was aborted (pause in abort mode, engine shutdown)
+
+
+class PauseMode(str, enum.Enum):
+    """What happens to in-flight requests on pause (SGLang's ``/pause_generation`` modes)."""
+
+    ABORT = "abort"  # finish them now with FinishReason.ABORT and what they sampled so far
+    RETRACT = "retract"  # drop their KV cache; they continue (re-prefilled) after resume
+    IN_PLACE = "in_place"  # freeze them with their KV cache; they continue after resume
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """SGLang's ``sampling_params`` subset every backend honours. ``top_k=-1`` means no top-k."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+    def to_sglang(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                             "top_p": self.top_p, "top_k": self.top_k}
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            d["stop"] = list(self.stop)
+        if self.seed is not None:
+            d["sampling_seed"] = self.seed
+        return d
+
+
+@dataclass
+class Completion:
+    """What one ``generate`` returns: SGLang's ``output_ids`` plus ``meta_info``."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]  # logprob of each sampled token under the sampling distribution's model
+    finish_reason: FinishReason
+    weight_version: int
+    prompt_tokens: int = 0
+    # int32 (prompt_tokens + len(output_ids) - 1, layers, top_k) when return_routed_experts was asked.
+    routed_experts: np.ndarray | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What a harness calls. It never learns which engine stands behind it."""
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
+                       return_routed_experts: bool = False) -> Completion: ...
+
+
+@runtime_checkable
+class RolloutEngine(Policy, Protocol):
+    """A policy the driver can also pause, reload and check."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def pause(self, mode: PauseMode = PauseMode.IN_PLACE) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load weights by engine-side name and set the weight version.
+
+        A transport calls this once per bucket, all with the same version, while the engine is paused.
+        """
+        ...
+
+    async def health(self) -> bool: ...
+
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,86 @@
+"""The environment and harness contracts: what an agent task is, and the loop that plays it.
+
+An `Environment` lists tasks, opens an `EnvSession` per episode (its tools, and a verifier that
+turns the final state into a reward), and is registered as a plug-in (entry-point group
+``miles_agent.envs``). A `Harness` runs the loop between a `Policy` and a session and returns
+trajectories (several when the agent's history stops being append-only). Torch-free on purpose:
+environment workers may run on CPU-only nodes under another Python.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from miles_agent.engine import Policy
+from miles_agent.sandbox import Sandbox
+from miles_agent.types import Trajectory
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: the opening messages and whatever the verifier needs (kept out of the prompt)."""
+
+    id: str
+    messages: tuple[dict[str, Any], ...]
+    info: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class Reward:
+    value: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+class ToolError(Exception):
+    """A tool call the environment rejects (unknown tool, bad arguments). Shown to the model, not raised further."""
+
+
+class EnvSession(ABC):
+    """One episode's view of the environment. The episode owns it until `score` has returned."""
+
+    #: OpenAI function-tool schemas offered to the model ({"type": "function", "function": {...}}).
+    tools: list[dict[str, Any]] = []
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        raise ToolError(f"this environment has no tools (called {name!r})")
+
+    @abstractmethod
+    async def score(self, messages: list[dict[str, Any]]) -> Reward:
+        """Verify the final state of the episode (the whole conversation, and the sandbox if any)."""
+
+    async def close(self) -> None:
+        """Release what the session holds. Called exactly once, after scoring or on failure."""
+
+
+class Environment(ABC):
+    """A task set and its verifier. Subclasses are plug-ins: give them a name and a one-line description."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    needs_sandbox: ClassVar[bool] = False
+
+    @abstractmethod
+    def tasks(self, split: str = "train") -> list[Task]: ...
+
+    @abstractmethod
+    async def open(self, task: Task, sandbox: Sandbox | None = None) -> EnvSession: ...
+
+
+@dataclass(frozen=True)
+class HarnessLimits:
+    max_turns: int = 8
+    max_total_tokens: int = 2048  # prompt + everything appended; the episode is truncated past it
+    max_new_tokens_per_turn: int = 256
+    max_observation_tokens: int = 512  # longer tool output is cut and the cut is marked
+
+
+class Harness(ABC):
+    """An agent loop. Returns one trajectory per branch of the conversation (usually one)."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    @abstractmethod
+    async def run(self, task: Task, session: EnvSession, policy: Policy) -> list[Trajectory]: ...

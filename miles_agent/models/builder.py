@@ -1,0 +1,106 @@
+"""Models and tokenizers, offline: tiny Qwen3 / Qwen3-MoE from transformers configs, or any HF folder.
+
+The tiny architectures are real transformers models with random init, so every code path that
+serves a hub checkpoint (HF loading, safetensors, chat templates) runs here without a download.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from miles_agent.errors import UserError
+
+# Small enough to train in minutes on 2 CPU cores, large enough to learn a tool-use format.
+TINY_ARCHS: dict[str, dict[str, Any]] = {
+    "tiny-qwen3": dict(
+        model_type="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
+    "tiny-qwen3-moe": dict(
+        model_type="qwen3_moe", hidden_size=128, intermediate_size=384, moe_intermediate_size=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_local_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
+}
+
+
+def tiny_config(arch: str, tokenizer) -> Any:  # noqa: ANN001
+    """A transformers config for a built-in tiny architecture, sized to the tokenizer."""
+    from transformers import AutoConfig
+
+    if arch not in TINY_ARCHS:
+        raise UserError(f"unknown model arch {arch!r}; choose one of {', '.join(TINY_ARCHS)} "
+                        "or set model.hf_checkpoint to an HF-format folder")
+    spec = dict(TINY_ARCHS[arch])
+    model_type = spec.pop("model_type")
+    return AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **spec)
+
+
+def build_tiny(arch: str, seed: int = 0, dtype: str = "float32"):  # noqa: ANN201
+    """(model, tokenizer) for a tiny architecture with a seeded random init."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles_agent.models.tokenizer import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    config = tiny_config(arch, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.config.architectures = [type(model).__name__]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval(), tokenizer
+
+
+def load_hf(path: str | Path, dtype: str = "float32"):  # noqa: ANN201
+    """(model, tokenizer) from an HF-format folder; a clear error when the folder is not one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"checkpoint folder {p} does not exist; pass --hf-checkpoint a folder holding "
+                        "config.json and *.safetensors (e.g. one written by save_pretrained)")
+    if not (p / "config.json").is_file():
+        raise UserError(f"{p} has no config.json, so it is not an HF-format checkpoint; "
+                        "point --hf-checkpoint at the folder that holds config.json")
+    try:
+        arch = json.loads((p / "config.json").read_text()).get("architectures")
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p / 'config.json'} is not valid JSON ({e.msg}); the checkpoint is damaged") from None
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise UserError(f"{p} has a config but no weights (*.safetensors); the checkpoint is incomplete")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{p} has no usable tokenizer ({e}); save the tokenizer with the model") from None
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype))
+    if arch is None:
+        model.config.architectures = [type(model).__name__]
+    return model.eval(), tokenizer
+
+
+def save_hf(model, tokenizer, path: str | Path) -> None:  # noqa: ANN001
+    """Write an HF-format folder (config, safetensors, tokenizer) atomically: temp folder, then rename."""
+    import shutil
+
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if p.exists():
+        old = p.with_name(p.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        p.rename(old)
+        tmp.rename(p)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(p)

@@ -1,0 +1,187 @@
+"""The one record that flows from an episode to the trainer: a token-in-token-out trajectory.
+
+Invariants (checked by `Trajectory.validate`):
+
+* ``tokens`` = ``prompt_ids`` followed by the response, and the response is a concatenation of
+  spans: model spans hold the ids the engine sampled, observation spans the ids the environment
+  or the chat template added (tool output, turn markers). Nothing is ever re-tokenized.
+* ``loss_mask`` and ``rollout_logprobs`` cover the response only (``len(tokens) - len(prompt_ids)``
+  entries). ``loss_mask`` is 1 only inside model spans; it may be 0 inside a model span the
+  trainer must not learn from (for example a span cut by an abort). ``rollout_logprobs`` holds the
+  engine's logprob for every sampled token and 0.0 for observation tokens.
+* ``routed_experts``, when present, is int32 shaped ``(len(tokens) - 1, layers, top_k)``, as SGLang
+  returns it: the routing of every token that went through the model (the last sampled token never
+  did).
+
+The module imports nothing heavier than numpy so that environment workers can use it without torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class Status(str, enum.Enum):
+    COMPLETED = "completed"  # the episode ended normally and was scored
+    TRUNCATED = "truncated"  # a turn/token/length limit ended it; still scored, still trainable
+    ABORTED = "aborted"  # infrastructure ended it (engine restart, weight update): retry, never score 0
+    FAILED = "failed"  # the episode itself failed (bad task, environment error): not trained on
+
+
+class SpanKind(str, enum.Enum):
+    MODEL = "model"
+    OBSERVATION = "observation"
+
+
+@dataclass
+class Span:
+    """A run of response tokens ``tokens[start:end]`` with one origin."""
+
+    kind: SpanKind
+    start: int
+    end: int
+    turn: int
+    weight_version: int | None = None  # model spans: the engine weight version that sampled them
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "start": self.start, "end": self.end, "turn": self.turn,
+                "weight_version": self.weight_version}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Span:
+        return cls(SpanKind(d["kind"]), d["start"], d["end"], d["turn"], d.get("weight_version"))
+
+
+class TrajectoryError(ValueError):
+    """A trajectory breaks a TITO invariant; the message names which one."""
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
+    reward: float | None = None
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    status: Status = Status.COMPLETED
+    task_id: str = ""
+    group_id: str = ""  # samples sharing a group_id are normalized together (GRPO)
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    # -- building -----------------------------------------------------------------------------
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def num_turns(self) -> int:
+        return sum(1 for s in self.spans if s.kind is SpanKind.MODEL)
+
+    def append_model(self, ids: list[int], logprobs: list[float], weight_version: int,
+                     turn: int, trainable: bool = True) -> None:
+        """Append tokens the engine sampled, with one logprob each."""
+        if len(ids) != len(logprobs):
+            raise TrajectoryError(f"{len(ids)} sampled tokens but {len(logprobs)} logprobs")
+        start = self.response_length
+        self.tokens.extend(ids)
+        self.loss_mask.extend([1 if trainable else 0] * len(ids))
+        self.rollout_logprobs.extend(float(x) for x in logprobs)
+        self.spans.append(Span(SpanKind.MODEL, start, start + len(ids), turn, weight_version))
+
+    def append_observation(self, ids: list[int], turn: int) -> None:
+        """Append tokens the model did not sample (tool output, template turn markers)."""
+        start = self.response_length
+        self.tokens.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.rollout_logprobs.extend([0.0] * len(ids))
+        self.spans.append(Span(SpanKind.OBSERVATION, start, start + len(ids), turn))
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    def sampled_ids(self) -> list[int]:
+        return [t for t, m in zip(self.response_ids, self._sampled_positions()) if m]
+
+    def _sampled_positions(self) -> list[bool]:
+        pos = [False] * self.response_length
+        for s in self.spans:
+            if s.kind is SpanKind.MODEL:
+                pos[s.start:s.end] = [True] * (s.end - s.start)
+        return pos
+
+    # -- checking -----------------------------------------------------------------------------
+    def validate(self) -> Trajectory:
+        """Check every TITO invariant; raise TrajectoryError naming the first one broken."""
+        n_prompt, n_resp = len(self.prompt_ids), self.response_length
+        if self.tokens[:n_prompt] != self.prompt_ids:
+            raise TrajectoryError("tokens do not start with prompt_ids")
+        if len(self.loss_mask) != n_resp:
+            raise TrajectoryError(f"loss_mask has {len(self.loss_mask)} entries for {n_resp} response tokens")
+        if len(self.rollout_logprobs) != n_resp:
+            raise TrajectoryError(
+                f"rollout_logprobs has {len(self.rollout_logprobs)} entries for {n_resp} response tokens")
+        cursor = 0
+        for s in self.spans:
+            if s.start != cursor or s.end < s.start:
+                raise TrajectoryError(f"spans must tile the response in order; span {s} starts at {cursor}")
+            cursor = s.end
+            if s.kind is SpanKind.MODEL and s.weight_version is None:
+                raise TrajectoryError(f"model span {s} has no weight_version")
+        if cursor != n_resp:
+            raise TrajectoryError(f"spans cover {cursor} of {n_resp} response tokens")
+        sampled = self._sampled_positions()
+        for i, (m, lp, is_sampled) in enumerate(zip(self.loss_mask, self.rollout_logprobs, sampled)):
+            if m not in (0, 1):
+                raise TrajectoryError(f"loss_mask[{i}] = {m}, expected 0 or 1")
+            if m and not is_sampled:
+                raise TrajectoryError(f"loss_mask is 1 at response position {i}, which the model did not sample")
+            if is_sampled and not (math.isfinite(lp) and lp <= 1e-6):
+                raise TrajectoryError(f"sampled token at response position {i} has logprob {lp}")
+            if not is_sampled and lp != 0.0:
+                raise TrajectoryError(f"observation token at response position {i} carries logprob {lp}")
+        if self.routed_experts is not None:
+            re = self.routed_experts
+            if re.ndim != 3 or re.shape[0] != len(self.tokens) - 1:
+                raise TrajectoryError(
+                    f"routed_experts shape {re.shape}, expected ({len(self.tokens) - 1}, layers, top_k)")
+        if self.status in (Status.COMPLETED, Status.TRUNCATED) and self.reward is None:
+            raise TrajectoryError(f"a {self.status.value} trajectory must carry a reward")
+        return self
+
+    # -- serialization (rollout dumps, Ray transfer) -----------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "uid": self.uid, "task_id": self.task_id, "group_id": self.group_id,
+            "prompt_ids": self.prompt_ids, "tokens": self.tokens, "loss_mask": self.loss_mask,
+            "rollout_logprobs": self.rollout_logprobs, "spans": [s.to_dict() for s in self.spans],
+            "routed_experts": None if self.routed_experts is None else self.routed_experts.tolist(),
+            "reward": self.reward, "reward_parts": self.reward_parts, "status": self.status.value,
+            "metadata": self.metadata,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        re = d.get("routed_experts")
+        return cls(
+            prompt_ids=list(d["prompt_ids"]), tokens=list(d["tokens"]), loss_mask=list(d["loss_mask"]),
+            rollout_logprobs=list(d["rollout_logprobs"]), spans=[Span.from_dict(s) for s in d["spans"]],
+            routed_experts=None if re is None else np.asarray(re, dtype=np.int32),
+            reward=d.get("reward"), reward_parts=dict(d.get("reward_parts", {})), status=Status(d["status"]),
+            task_id=d.get("task_id", ""), group_id=d.get("group_id", ""), uid=d["uid"],
+            metadata=dict(d.get("metadata", {})),
+        )

@@ -1,0 +1,1 @@
+"""Sandbox backends (installed as miles_agent.sandboxes)."""

@@ -1,0 +1,1 @@
+"""Training backends (installed as miles_agent.trainers)."""
