@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from miles_agent.engine import Policy
-from miles_agent.sandbox import Sandbox
+from miles_agent.sandbox import Sandbox, SandboxSpec
 from miles_agent.types import Trajectory
 
 
@@ -64,8 +64,14 @@ class Environment(ABC):
     @abstractmethod
     def tasks(self, split: str = "train") -> list[Task]: ...
 
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        """What the task's sandbox needs (image, files, limits). Only asked when ``needs_sandbox``."""
+        return SandboxSpec()
+
     @abstractmethod
-    async def open(self, task: Task, sandbox: Sandbox | None = None) -> EnvSession: ...
+    async def open(self, task: Task, sandbox: Sandbox | None = None) -> EnvSession:
+        """Start an episode. The caller started ``sandbox`` from `sandbox_spec` and stops it after
+        `EnvSession.close`, so the verifier always runs before the sandbox goes away."""
 
 
 @dataclass(frozen=True)
