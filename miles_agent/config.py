@@ -74,6 +74,7 @@ class EnvConfig:
     name: str = "arith-tools"
     harness: str = ""  # "" = the environment's default harness
     tasks: str | None = None  # a folder of tasks, for environments that read one
+    sandbox: str = "local"  # sandbox backend for environments that need one
     max_turns: int = 4
     max_total_tokens: int = 1024
     max_new_tokens_per_turn: int = 96
@@ -123,8 +124,10 @@ def resolve_recipe(name_or_path: str) -> Path:
     return p
 
 
-def load_config(recipe: str | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
-    """Build the config: defaults, then the recipe file, then overrides (``section.key=value``)."""
+def load_config(recipe: str | None = None, overrides: list[str] | dict[str, Any] | None = None,
+                extra: dict[str, Any] | None = None) -> Config:
+    """Build the config: defaults, then the recipe file, then overrides (``section.key=value`` strings
+    or a dict of already-typed values), then ``extra`` (values from dedicated CLI flags)."""
     data: dict[str, Any] = {}
     if recipe:
         path = resolve_recipe(recipe)
@@ -138,8 +141,8 @@ def load_config(recipe: str | None = None, overrides: list[str] | dict[str, Any]
             raise UserError(f"recipe {path} must be a mapping of sections (model:, rollout:, ...), "
                             f"not a {type(loaded).__name__}")
         data = loaded or {}
-    items = overrides.items() if isinstance(overrides, dict) else (_split_override(o) for o in overrides or [])
-    for key, value in items:
+    items = list(overrides.items()) if isinstance(overrides, dict) else [_split_override(o) for o in overrides or []]
+    for key, value in items + list((extra or {}).items()):
         section, _, name = key.partition(".")
         if not name:
             raise UserError(f"override {key!r} must be section.key=value, e.g. train.lr=1e-5")

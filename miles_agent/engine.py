@@ -20,13 +20,13 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # a stop token or stop string was sampled (it is kept in output_ids)
     LENGTH = "length"  # max_new_tokens or the context limit was reached
     ABORT = "abort"  # the request was aborted (pause in abort mode, engine shutdown)
 
 
-class PauseMode(str, enum.Enum):
+class PauseMode(enum.StrEnum):
     """What happens to in-flight requests on pause (SGLang's ``/pause_generation`` modes)."""
 
     ABORT = "abort"  # finish them now with FinishReason.ABORT and what they sampled so far

@@ -50,7 +50,7 @@ class EnvSession(ABC):
     async def score(self, messages: list[dict[str, Any]]) -> Reward:
         """Verify the final state of the episode (the whole conversation, and the sandbox if any)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, most sessions hold nothing
         """Release what the session holds. Called exactly once, after scoring or on failure."""
 
 

@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     COMPLETED = "completed"  # the episode ended normally and was scored
     TRUNCATED = "truncated"  # a turn/token/length limit ended it; still scored, still trainable
     ABORTED = "aborted"  # infrastructure ended it (engine restart, weight update): retry, never score 0
     FAILED = "failed"  # the episode itself failed (bad task, environment error): not trained on
 
 
-class SpanKind(str, enum.Enum):
+class SpanKind(enum.StrEnum):
     MODEL = "model"
     OBSERVATION = "observation"
 

@@ -1,0 +1,143 @@
+"""The chat/tool-call harness: the model writes Qwen-style ``<tool_call>{json}</tool_call>`` blocks, the
+environment runs the tools, and their results come back as tool messages -- until the model answers
+without a tool call, or a limit ends the episode.
+
+Every model turn appends exactly the ids the engine sampled; every environment turn appends only the
+chat template's delta (see `miles_agent.tito`). Malformed tool calls become an error observation the
+model can recover from, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from miles_agent.engine import Completion, FinishReason, Policy, SamplingParams
+from miles_agent.environment import EnvSession, Harness, HarnessLimits, Task, ToolError
+from miles_agent.tito import ChatRenderer, NotAppendOnly
+from miles_agent.types import Status, Trajectory
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
+    """Tool calls in a model turn, and an error message for each block that does not parse."""
+    calls, errors = [], []
+    for block in _TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(block)
+            name, args = obj["name"], obj.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise TypeError("name must be a string and arguments an object")
+            calls.append(ToolCall(name, args))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            errors.append(f"error: malformed tool call ({type(e).__name__}: {e}); write "
+                          '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>')
+    if "<tool_call>" in text and text.count("<tool_call>") != text.count("</tool_call>"):
+        errors.append("error: unterminated <tool_call>; close it with </tool_call>")
+    return calls, errors
+
+
+class ChatToolsHarness(Harness):
+    name = "chat-tools"
+    description = "Multi-turn chat with Qwen-style tool calls; exact TITO trajectories."
+
+    def __init__(self, tokenizer: Any, limits: HarnessLimits, sampling: SamplingParams) -> None:
+        from miles_agent.models.tokenizer import stop_token_ids
+
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.stop_ids = tuple(sorted(set(sampling.stop_token_ids) | set(stop_token_ids(tokenizer))))
+        self.sampling = replace(sampling, stop_token_ids=self.stop_ids)
+
+    async def run(self, task: Task, session: EnvSession, policy: Policy) -> list[Trajectory]:
+        renderer = ChatRenderer(self.tokenizer, session.tools)
+        messages: list[dict[str, Any]] = [dict(m) for m in task.messages]
+        traj = self._new_branch(renderer, messages, task, 0)
+        branches, turn, status = [traj], 0, Status.COMPLETED
+        while True:
+            budget = self.limits.max_total_tokens - len(traj.tokens)
+            if budget <= 0:
+                status = Status.TRUNCATED
+                break
+            sampling = replace(self.sampling, max_new_tokens=min(self.limits.max_new_tokens_per_turn, budget))
+            c = await policy.generate(list(traj.tokens), sampling)
+            if c.finish_reason is FinishReason.ABORT:
+                return self._aborted(branches, c, turn)
+            traj.append_model(c.output_ids, c.output_logprobs, c.weight_version, turn)
+            stop_text, text = self._split_stop(c)
+            messages.append({"role": "assistant", "content": text})
+            if c.finish_reason is FinishReason.LENGTH:
+                status = Status.TRUNCATED
+                break
+            calls, errors = parse_tool_calls(text)
+            if not calls and not errors:
+                break  # the model answered
+            turn += 1
+            if turn >= self.limits.max_turns:
+                status = Status.TRUNCATED
+                break
+            results = [await self._call(session, call, traj) for call in calls] + errors
+            tool_msgs = [{"role": "tool", "content": r} for r in results]
+            try:
+                obs = renderer.observation_ids(messages, tool_msgs, stop_text)
+                messages.extend(tool_msgs)
+            except NotAppendOnly as e:
+                messages.extend(tool_msgs)
+                traj.metadata["branch_reason"] = str(e)
+                traj = self._new_branch(renderer, messages, task, len(branches))
+                branches.append(traj)
+                continue
+            if len(traj.tokens) + len(obs) >= self.limits.max_total_tokens:
+                status = Status.TRUNCATED
+                break
+            traj.append_observation(obs, turn)
+        reward = await session.score(messages)
+        for b in branches:
+            b.reward, b.reward_parts, b.status = reward.value, dict(reward.parts), status
+            b.metadata["turns"] = turn + 1
+        return branches
+
+    def _new_branch(self, renderer: ChatRenderer, messages: list[dict[str, Any]], task: Task,
+                    index: int) -> Trajectory:
+        t = Trajectory(prompt_ids=renderer.prompt_ids(messages), task_id=task.id)
+        t.metadata["branch"] = index
+        return t
+
+    def _split_stop(self, c: Completion) -> tuple[str, str]:
+        """(text of the sampled stop token or "", decoded content without it)."""
+        ids = c.output_ids
+        if c.finish_reason is FinishReason.STOP and ids and ids[-1] in self.stop_ids:
+            return self.tokenizer.decode(ids[-1:]), self.tokenizer.decode(ids[:-1])
+        return "", self.tokenizer.decode(ids)
+
+    async def _call(self, session: EnvSession, call: ToolCall, traj: Trajectory) -> str:
+        try:
+            out = await session.call_tool(call.name, call.arguments)
+        except ToolError as e:
+            return f"error: {e}"
+        ids = self.tokenizer.encode(out, add_special_tokens=False)
+        cap = self.limits.max_observation_tokens
+        if len(ids) > cap:
+            traj.metadata["observation_truncated"] = traj.metadata.get("observation_truncated", 0) + 1
+            out = self.tokenizer.decode(ids[:cap]) + f"\n[output truncated: {len(ids) - cap} more tokens]"
+        return out
+
+    def _aborted(self, branches: list[Trajectory], c: Completion, turn: int) -> list[Trajectory]:
+        """Infrastructure ended the turn: keep what was sampled, untrained, and mark the episode for retry."""
+        last = branches[-1]
+        if c.output_ids:
+            last.append_model(c.output_ids, c.output_logprobs, c.weight_version, turn, trainable=False)
+        for b in branches:
+            b.status = Status.ABORTED
+        return branches

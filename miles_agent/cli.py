@@ -1,0 +1,142 @@
+"""``miles-agent``: train, eval, list plug-ins, build warm starts.
+
+Bad input ends with one line naming the cause and the fix, exit code 2, and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from miles_agent.errors import UserError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", required=True, help="environment name (see `miles-agent envs list`) or module:attr")
+    p.add_argument("--recipe", help="recipe name in recipes/ (e.g. tiny-cpu) or a YAML path")
+    p.add_argument("--hf-checkpoint", help="start from this HF-format folder (config.json + safetensors)")
+    p.add_argument("--tasks", help="a folder of tasks, for environments that read one (e.g. Harbor tasks)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. train.lr=1e-5")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miles-agent", description="Agentic RL post-training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="RL-train a policy on an environment")
+    _common(t)
+    t.add_argument("--run-dir", help="where metrics.jsonl, checkpoints and the final model go")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    t.add_argument("--no-progress", action="store_true")
+
+    e = sub.add_parser("eval", help="score a policy on an environment's tasks")
+    _common(e)
+    e.add_argument("--policy", default="model", help="'model' (the checkpoint or warm start) or 'oracle'")
+    e.add_argument("--split", default="eval")
+    e.add_argument("--limit", type=int, help="evaluate at most this many tasks")
+
+    for kind in ("envs", "harnesses", "sandboxes", "trainers"):
+        k = sub.add_parser(kind, help=f"list installed {kind}")
+        k.add_argument("action", choices=["list"])
+
+    w = sub.add_parser("warmstart", help="build (or rebuild) an environment's SFT warm start")
+    w.add_argument("--env", required=True)
+    w.add_argument("--arch", default="tiny-qwen3")
+    w.add_argument("--out", help="output folder (default: the cache)")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from miles_agent.config import load_config
+
+    extra: dict[str, Any] = {"env.name": args.env}
+    for flag, key in (("hf_checkpoint", "model.hf_checkpoint"), ("tasks", "env.tasks"), ("seed", "run.seed"),
+                      ("run_dir", "run.run_dir"), ("steps", "run.steps")):
+        value = getattr(args, flag, None)  # argparse namespaces are the one place flags are read by name
+        if value is not None:
+            extra[key] = value
+    return load_config(args.recipe, list(args.overrides), extra)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from miles_agent.loop import train
+    from miles_agent.progress import Progress
+
+    cfg = _config(args)
+    progress = Progress(cfg.run.steps, enabled=cfg.run.progress and not args.no_progress)
+    try:
+        records = train(cfg, resume=args.resume, progress=progress)
+    finally:
+        progress.close()
+    if records:
+        first = [r["reward_mean"] for r in records[:5]]
+        last = [r["reward_mean"] for r in records[-5:]]
+        print(f"done: reward first-5 mean {sum(first) / len(first):.3f} -> last-5 mean {sum(last) / len(last):.3f}; "
+              f"metrics in {Path(cfg.run.run_dir) / 'metrics.jsonl'}, model in {Path(cfg.run.run_dir) / 'final'}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from miles_agent.evaluate import evaluate
+
+    cfg = _config(args)
+    result = asyncio.run(evaluate(cfg, policy=args.policy, split=args.split, limit=args.limit))
+    print(f"{cfg.env.name} [{args.split}] policy={args.policy}: reward {result['reward_mean']:.3f} "
+          f"over {int(result['episodes'])} episodes ({int(result['failed'])} failed)")
+    return 0
+
+
+def cmd_list(kind: str) -> int:
+    from miles_agent.registry import list_plugins
+
+    plugins = list_plugins(kind)
+    if not plugins:
+        print(f"no {kind} installed")
+    width = max((len(p.name) for p in plugins), default=0)
+    for p in plugins:
+        if p.error:
+            print(f"{p.name:<{width}}  [{p.package}]  BROKEN: {p.error}")
+        else:
+            print(f"{p.name:<{width}}  [{p.package}]  {p.description}")
+    return 0
+
+
+def cmd_warmstart(args: argparse.Namespace) -> int:
+    from miles_agent.config import load_config
+    from miles_agent.loop import build_env
+    from miles_agent.warmstart import build_warm_start, cache_path
+
+    env = build_env(load_config(None, {"env.name": args.env}))
+    out = Path(args.out) if args.out else cache_path(env, args.arch)
+    metrics = build_warm_start(env, args.arch, out)
+    print(f"warm start for {env.name} ({args.arch}) written to {out}; final SFT loss {metrics['loss']:.4f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args)
+        if args.command == "eval":
+            return cmd_eval(args)
+        if args.command == "warmstart":
+            return cmd_warmstart(args)
+        return cmd_list(args.command)
+    except UserError as e:
+        print(f"miles-agent: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("miles-agent: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

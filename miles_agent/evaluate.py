@@ -1,0 +1,45 @@
+"""Scoring a policy on an environment's tasks: the model (through the embedded engine) or the oracle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_agent.config import Config
+from miles_agent.errors import UserError
+from miles_agent.loop import build_env, build_harness, check_device
+from miles_agent.metrics import rollout_metrics
+from miles_agent.rollout.episodes import EpisodeRunner, collect
+
+
+async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limit: int | None = None
+                   ) -> dict[str, float]:
+    from miles_agent import registry
+
+    env = build_env(cfg)
+    tasks = env.tasks(split)[:limit] if limit else env.tasks(split)
+    engine: Any = None
+    if policy == "oracle":
+        if not hasattr(env, "oracle_policy"):
+            raise UserError(f"environment {env.name!r} has no oracle; use --policy model")
+        from miles_agent.models.tokenizer import build_byte_tokenizer
+
+        tokenizer = build_byte_tokenizer()
+        pol = env.oracle_policy(tokenizer)
+    elif policy == "model":
+        from miles_agent.models.loading import load_policy
+        from miles_agent.rollout.local import LocalEngine
+
+        check_device(cfg.model.device)
+        model, tokenizer = load_policy(cfg, env)
+        engine = pol = LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
+                                   device=cfg.model.device)
+    else:
+        raise UserError(f"unknown --policy {policy!r}; use 'model' or 'oracle'")
+    make_sandbox = registry.load("sandboxes", cfg.env.sandbox) if env.needs_sandbox else None
+    runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
+    try:
+        trajs = await collect(runner, tasks, 1, pol, cfg.rollout.concurrency)
+    finally:
+        if engine is not None:
+            await engine.shutdown()
+    return rollout_metrics(trajs)

@@ -1,0 +1,219 @@
+"""The driver loop: generate, train, sync weights -- read it top to bottom.
+
+    for each step:
+        episodes = harness(task, env, sandbox, engine)   # TITO trajectories, weight version per span
+        advantages = estimator(rewards, groups)           # per token
+        trainer.train_step(trajectories, advantages)
+        transport.push(trainer weights -> engine, version = step + 1)
+
+Everything here runs on the embedded defaults in one process; the same loop drives Ray actors later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_agent import registry
+from miles_agent.config import Config
+from miles_agent.engine import SamplingParams
+from miles_agent.environment import Environment, HarnessLimits, Task
+from miles_agent.errors import UserError
+from miles_agent.metrics import MetricsLog, rollout_metrics, summary_line
+from miles_agent.rollout.episodes import EpisodeRunner, collect
+from miles_agent.types import Status, Trajectory
+
+
+@dataclass
+class TaskSampler:
+    """Deterministic, resumable task order: a fresh seeded shuffle each epoch."""
+
+    tasks: list[Task]
+    seed: int
+    position: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def take(self, n: int) -> list[Task]:
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self.tasks))
+            if i == 0 or not self._order:
+                self._order = list(range(len(self.tasks)))
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+            out.append(self.tasks[self._order[i]])
+            self.position += 1
+        return out
+
+
+def build_env(cfg: Config) -> Environment:
+    cls = registry.load("envs", cfg.env.name)
+    kwargs: dict[str, Any] = {}
+    if cfg.env.tasks:
+        if not Path(cfg.env.tasks).is_dir():
+            raise UserError(f"--tasks {cfg.env.tasks} is not a folder; point it at a folder of task directories")
+        kwargs["tasks_dir"] = cfg.env.tasks
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise UserError(f"environment {cfg.env.name!r} cannot be built with {kwargs or 'no arguments'} ({e})") from None
+
+
+def build_harness(cfg: Config, env: Environment, tokenizer: Any):  # noqa: ANN201
+    name = cfg.env.harness or getattr(env, "default_harness", "chat-tools")
+    limits = HarnessLimits(max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
+                           max_new_tokens_per_turn=cfg.env.max_new_tokens_per_turn,
+                           max_observation_tokens=cfg.env.max_observation_tokens)
+    sampling = SamplingParams(max_new_tokens=cfg.env.max_new_tokens_per_turn, temperature=cfg.rollout.temperature,
+                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    return registry.load("harnesses", name)(tokenizer, limits, sampling)
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"the recipe asks for device {device!r} but no CUDA GPU is visible; "
+                        "use a GPU machine or set model.device=cpu (e.g. --recipe tiny-cpu)")
+
+
+class Run:
+    """One training run: the parts, the loop, and checkpoint/resume of the loop's own state."""
+
+    def __init__(self, cfg: Config, resume: bool = False) -> None:
+        import torch
+
+        from miles_agent.models.loading import load_policy
+        from miles_agent.rollout.local import LocalEngine
+        from miles_agent.weight_sync import InProcessTransport
+
+        check_device(cfg.model.device)
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.run_dir)
+        random.seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
+        self.env = build_env(cfg)
+        model, self.tokenizer = load_policy(cfg, self.env)
+        engine_model = copy.deepcopy(model)  # before the trainer shards its own copy
+        self.trainer = registry.load("trainers", cfg.train.backend)(
+            model, self.tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature,
+            device=cfg.model.device)
+        self.engine = LocalEngine(engine_model, self.tokenizer, max_batch_size=cfg.rollout.max_batch_size,
+                                  device=cfg.model.device)
+        self.transport = InProcessTransport([self.engine])
+        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
+                                    make_sandbox=self._sandbox_factory())
+        self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        self.metrics = MetricsLog(self.run_dir)
+        self.step = 0
+        self._resync_version: int | None = None
+        if resume:
+            self._resume()
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            self.metrics.path.unlink(missing_ok=True)
+
+    def _sandbox_factory(self):  # noqa: ANN202
+        if not self.env.needs_sandbox:
+            return None
+        return registry.load("sandboxes", self.cfg.env.sandbox)
+
+    async def train(self, progress: Any = None) -> list[dict[str, Any]]:
+        from miles_agent.algorithms.advantages import ADVANTAGES, per_token
+        from miles_agent.trainer import TrainBatch
+
+        cfg, records = self.cfg, []
+        if self._resync_version is not None:
+            await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
+            self._resync_version = None
+        while self.step < cfg.run.steps:
+            record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
+            t0 = time.perf_counter()
+            trajs = await self.rollout(progress)
+            t1 = time.perf_counter()
+            trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
+            record.update(rollout_metrics(trajs))
+            record["episode_retries"] = float(self.runner.stats.retries)
+            if progress:
+                progress.phase("train")
+            adv = ADVANTAGES[cfg.algo.advantage]([t.reward for t in trainable], [t.group_id for t in trainable],
+                                                normalize_std=cfg.algo.normalize_std)
+            train_metrics = self.trainer.train_step(TrainBatch(trainable, per_token(trainable, adv)))
+            t2 = time.perf_counter()
+            if progress:
+                progress.phase("sync")
+            sync = await self.transport.push(self.trainer.named_weights(), version=self.step + 1)
+            t3 = time.perf_counter()
+            record.update({f"train/{k}": v for k, v in train_metrics.items()})
+            record.update(sync)
+            record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
+                           "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
+            self.step += 1
+            self.metrics.write(record)
+            records.append(record)
+            if progress:
+                progress.step_done(record, summary_line(record))
+            every = cfg.run.checkpoint_every
+            if (every and self.step % every == 0) or self.step == cfg.run.steps:
+                self.save_checkpoint()
+        self.trainer.save_hf(self.run_dir / "final")
+        return records
+
+    async def rollout(self, progress: Any = None) -> list[Trajectory]:
+        tasks = self.sampler.take(self.cfg.rollout.prompts_per_step)
+        if progress:
+            progress.phase("rollout", total=len(tasks) * self.cfg.rollout.samples_per_prompt)
+        return await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, self.engine,
+                             self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
+                             group_prefix=f"s{self.step}-")
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """trainer state + loop state in ``checkpoints/step_N``, then ``latest`` points at it."""
+        ckpt_root = self.run_dir / "checkpoints"
+        path = ckpt_root / f"step_{self.step}"
+        self.trainer.save_checkpoint(path / "trainer")
+        state = {"step": self.step, "sampler_position": self.sampler.position,
+                 "weight_version": self.engine.weight_version, "rng": random.getstate()}
+        tmp = path / "loop_state.json.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.rename(path / "loop_state.json")
+        latest_tmp = ckpt_root / "latest.tmp"
+        latest_tmp.write_text(path.name)
+        latest_tmp.rename(ckpt_root / "latest")
+        return path
+
+    def _resume(self) -> None:
+        latest = self.run_dir / "checkpoints" / "latest"
+        if not latest.is_file():
+            raise UserError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}; "
+                            "run without --resume to start fresh")
+        path = self.run_dir / "checkpoints" / latest.read_text().strip()
+        self.trainer.load_checkpoint(path / "trainer")
+        state = json.loads((path / "loop_state.json").read_text())
+        self.step, self.sampler.position = state["step"], state["sampler_position"]
+        rng = state["rng"]
+        random.setstate((rng[0], tuple(rng[1]), rng[2]))
+        self._resync_version = state["weight_version"]  # pushed to the engine when the loop starts
+        # Steps logged after the checkpoint are redone: drop them from the log.
+        kept = [r for r in self.metrics.read() if r["step"] < self.step]
+        self.metrics.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def train(cfg: Config, resume: bool = False, progress: Any = None) -> list[dict[str, Any]]:
+    """Build a run and train it; returns the per-step metric records."""
+    run = Run(cfg, resume=resume)
+
+    async def main() -> list[dict[str, Any]]:
+        try:
+            return await run.train(progress)
+        finally:
+            await run.engine.shutdown()
+
+    return asyncio.run(main())

@@ -1,0 +1,25 @@
+"""Which weights a run starts from: an HF folder, the environment's warm start, or a fresh tiny model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_agent.config import Config
+from miles_agent.environment import Environment
+from miles_agent.models.builder import build_tiny, load_hf
+
+
+def load_policy(cfg: Config, env: Environment) -> tuple[Any, Any]:
+    """(model, tokenizer) for the policy, on ``cfg.model.device``."""
+    m = cfg.model
+    if m.hf_checkpoint:
+        model, tokenizer = load_hf(m.hf_checkpoint, m.dtype)
+    elif m.warm_start == "builtin":
+        from miles_agent.warmstart import ensure_warm_start
+
+        model, tokenizer = load_hf(ensure_warm_start(env, m.arch), m.dtype)
+    elif m.warm_start:
+        model, tokenizer = load_hf(m.warm_start, m.dtype)
+    else:
+        model, tokenizer = build_tiny(m.arch, seed=cfg.run.seed, dtype=m.dtype)
+    return model.to(m.device), tokenizer

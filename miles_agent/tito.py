@@ -1,0 +1,75 @@
+"""Token-in-token-out chat bookkeeping: render the first prompt once, then only ever tokenize new suffixes.
+
+Known failure modes this guards against (see shared/DESIGN.md):
+
+* re-tokenizing history drifts at turn boundaries -> we never re-tokenize: the model's turns are the
+  ids it sampled, and only the template's delta for new messages is tokenized;
+* rendering one message at a time differs from rendering the conversation (consecutive tool results
+  share one turn) -> the delta is taken over the whole conversation;
+* the template re-renders the end-of-turn token the engine already sampled -> we compute what the
+  template writes after an assistant message's content and drop the part that was sampled;
+* templates that are not append-only (stripped ``<think>``, rewritten history) -> the prefix check
+  fails loudly with `NotAppendOnly`, and the harness starts a new branch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SENTINEL = "\u2063MILES_SENTINEL\u2063"
+
+
+class NotAppendOnly(Exception):
+    """The chat template rendered an earlier part of the conversation differently after new messages."""
+
+
+class ChatRenderer:
+    """Renders with the tokenizer's own chat template; tokenizes only what is new."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The first prompt: the only full render that is ever tokenized."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def observation_ids(self, history: list[dict[str, Any]], new_messages: list[dict[str, Any]],
+                        sampled_stop_text: str) -> list[int]:
+        """Ids to append after the model's last turn so the token history equals a full render.
+
+        ``history`` ends with the assistant message whose content is the decoded sampled text without
+        its stop token; ``sampled_stop_text`` is that stop token's text ("" if the turn was cut by a
+        length limit, in which case the template's end-of-turn marker is appended as observation).
+        """
+        if not history or history[-1].get("role") != "assistant":
+            raise ValueError("history must end with the assistant turn the model just sampled")
+        before = self.render(history, add_generation_prompt=False)
+        after = self.render(history + new_messages, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise NotAppendOnly(_first_difference(before, after))
+        tail = self._after_assistant_content(history)
+        if sampled_stop_text and tail.startswith(sampled_stop_text):
+            tail = tail[len(sampled_stop_text):]
+        return self.encode(tail + after[len(before):])
+
+    def _after_assistant_content(self, history: list[dict[str, Any]]) -> str:
+        """What the template writes after the last assistant message's content (e.g. '<|im_end|>\\n')."""
+        probe = history[:-1] + [{**history[-1], "content": _SENTINEL}]
+        text = self.render(probe, add_generation_prompt=False)
+        idx = text.rfind(_SENTINEL)
+        if idx < 0:
+            raise NotAppendOnly("the chat template does not render assistant content verbatim")
+        return text[idx + len(_SENTINEL):]
+
+
+def _first_difference(a: str, b: str) -> str:
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"the template re-rendered history differently at character {i}: {a[i:i + 40]!r} became {b[i:i + 40]!r}"

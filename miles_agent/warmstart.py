@@ -1,0 +1,91 @@
+"""Warm starts: RL needs a policy that is not random, so the project makes its own.
+
+An environment that offers ``demonstrator(tokenizer)`` (a scripted `Policy`) gets a warm start by
+supervised fine-tuning: the demonstrator plays episodes through the real harness (so the SFT data is
+genuine TITO trajectories with loss masks), and the trainer's ``sft`` loss imitates its turns. The
+result is an HF folder, shipped with the environment when it is small, else made once and cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+from miles_agent.config import AlgoConfig, TrainConfig
+from miles_agent.engine import SamplingParams
+from miles_agent.environment import Environment, HarnessLimits
+from miles_agent.errors import UserError
+
+log = logging.getLogger(__name__)
+
+WARM_START_VERSION = 1
+
+
+def shipped_path(env: Environment, arch: str) -> Path:
+    return Path(inspect.getfile(type(env))).parent / "warmstart" / arch
+
+
+def cache_path(env: Environment, arch: str) -> Path:
+    root = Path(os.environ.get("MILES_AGENT_CACHE", "~/.cache/miles-agent")).expanduser()
+    return root / "warmstart" / f"{env.name}-{arch}-v{WARM_START_VERSION}"
+
+
+def ensure_warm_start(env: Environment, arch: str) -> Path:
+    """The warm-start folder for ``env``: shipped, cached, or built now (and cached)."""
+    for p in (shipped_path(env, arch), cache_path(env, arch)):
+        if (p / "config.json").is_file():
+            return p
+    out = cache_path(env, arch)
+    log.warning("building the %s warm start for %s once (cached in %s)", env.name, arch, out)
+    build_warm_start(env, arch, out)
+    return out
+
+
+def build_warm_start(env: Environment, arch: str, out: Path, *, episodes: int = 2048, epochs: int = 6,
+                     batch_size: int = 64, lr: float = 3e-3, seed: int = 0,
+                     progress: bool = True) -> dict[str, float]:
+    """SFT a fresh tiny model on the environment's demonstrator; returns the final SFT metrics."""
+    import torch
+
+    from miles_agent.harnesses.chat_tools import ChatToolsHarness
+    from miles_agent.models.builder import build_tiny
+    from miles_agent.rollout.episodes import EpisodeRunner, collect
+    from miles_agent.trainer import TrainBatch
+    from miles_agent.trainers.fsdp2 import FSDP2Trainer
+
+    if not hasattr(env, "demonstrator"):
+        raise UserError(f"environment {env.name!r} ships no warm start (no demonstrator); "
+                        "pass --hf-checkpoint DIR with a model to start from")
+    model, tokenizer = build_tiny(arch, seed=seed)
+    harness = ChatToolsHarness(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
+    tasks = env.tasks("train")[:episodes]
+    trajs = asyncio.run(collect(EpisodeRunner(env, harness), tasks, 1, env.demonstrator(tokenizer),
+                                concurrency=256))
+    trainer = FSDP2Trainer(model, tokenizer, TrainConfig(lr=lr, grad_clip=1.0, micro_batch_tokens=16384),
+                           AlgoConfig(loss="sft"))
+    rng = random.Random(seed)
+    metrics: dict[str, float] = {}
+    total = epochs * (len(trajs) + batch_size - 1) // batch_size
+    bar = _bar(total, progress)
+    for epoch in range(epochs):
+        rng.shuffle(trajs)
+        for i in range(0, len(trajs), batch_size):
+            batch = trajs[i:i + batch_size]
+            metrics = trainer.train_step(TrainBatch(batch, [[0.0] * t.response_length for t in batch]))
+            bar.set_postfix(epoch=epoch, loss=f"{metrics['loss']:.3f}")
+            bar.update()
+    bar.close()
+    with torch.no_grad():
+        trainer.save_hf(out)
+    return metrics
+
+
+def _bar(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="warm start (SFT)", disable=not enabled, leave=False)
