@@ -80,7 +80,7 @@ class ChatToolsHarness(Harness):
             if c.finish_reason is FinishReason.LENGTH:
                 status = Status.TRUNCATED
                 break
-            calls, errors = parse_tool_calls(text)
+            calls, errors = self.parse_actions(text)
             if not calls and not errors:
                 break  # the model answered
             turn += 1
@@ -88,7 +88,7 @@ class ChatToolsHarness(Harness):
                 status = Status.TRUNCATED
                 break
             results = [await self._call(session, call, traj) for call in calls] + errors
-            tool_msgs = [{"role": "tool", "content": r} for r in results]
+            tool_msgs = self.observation_messages(calls, results)
             try:
                 obs = renderer.observation_ids(messages, tool_msgs, stop_text)
                 messages.extend(tool_msgs)
@@ -107,6 +107,15 @@ class ChatToolsHarness(Harness):
             b.reward, b.reward_parts, b.status = reward.value, dict(reward.parts), status
             b.metadata["turns"] = turn + 1
         return branches
+
+    # -- the two points a harness variant changes ------------------------------------------------
+    def parse_actions(self, text: str) -> tuple[list[ToolCall], list[str]]:
+        """The actions in a model turn, plus an error message for each malformed one."""
+        return parse_tool_calls(text)
+
+    def observation_messages(self, calls: list[ToolCall], results: list[str]) -> list[dict[str, Any]]:
+        """Messages that carry the results back to the model."""
+        return [{"role": "tool", "content": r} for r in results]
 
     def _new_branch(self, renderer: ChatRenderer, messages: list[dict[str, Any]], task: Task,
                     index: int) -> Trajectory:

@@ -17,7 +17,7 @@ from miles_agent.errors import UserError
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", required=True, help="environment name (see `miles-agent envs list`) or module:attr")
-    p.add_argument("--recipe", help="recipe name in recipes/ (e.g. tiny-cpu) or a YAML path")
+    p.add_argument("--recipe", default="tiny-cpu", help="recipe name in recipes/ or a YAML path (default: tiny-cpu)")
     p.add_argument("--hf-checkpoint", help="start from this HF-format folder (config.json + safetensors)")
     p.add_argument("--tasks", help="a folder of tasks, for environments that read one (e.g. Harbor tasks)")
     p.add_argument("--seed", type=int)
