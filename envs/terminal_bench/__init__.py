@@ -1,0 +1,10 @@
+"""terminal-bench: Harbor-format shell tasks scored by their own test.sh (torch-free).
+
+Entry point (group ``miles_agent.envs``): ``terminal-bench = "miles_agent.envs.terminal_bench:TerminalBenchEnv"``.
+"""
+
+from .env import BASH_TOOL, SHIPPED_TASKS, TerminalBenchEnv, TerminalBenchSession
+from .harbor import HarborTask, TaskFormatError, load_task, load_tasks
+
+__all__ = ["BASH_TOOL", "SHIPPED_TASKS", "HarborTask", "TaskFormatError", "TerminalBenchEnv",
+           "TerminalBenchSession", "load_task", "load_tasks"]

@@ -1,0 +1,316 @@
+"""terminal-bench: Harbor-format shell tasks, played through one `bash` tool and scored by the task's test.sh.
+
+Reward-file mapping. Harbor's scripts use absolute paths: the verifier writes /logs/verifier/reward.txt,
+its helpers live in /tests, the oracle in /solution, and the agent works in the Dockerfile's WORKDIR.
+A container sandbox (a task with its own image) has those paths, so nothing is rewritten there. The
+local sandbox only lends a workspace, so there they live under ``<workspace>/.harbor/`` and every text
+file copied from tests/ and solution/ has those absolute paths (and the WORKDIR) rewritten to the
+workspace ones; unmodified Harbor scripts then run as written. ``.harbor/`` is deleted and rebuilt
+right before the verifier runs, so nothing the agent left there (a forged reward file) survives, and
+tests/ is never in the sandbox while the agent acts.
+
+Failures: a missing or garbled reward file, or a verifier that times out, is the agent's failure and
+scores 0 with a part saying which; a `SandboxError` is an infrastructure failure and propagates (the
+episode is retried, never scored 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shlex
+from pathlib import Path
+from typing import Any, ClassVar
+
+from miles_agent.environment import Environment, EnvSession, Reward, Task, ToolError
+from miles_agent.errors import UserError
+from miles_agent.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec
+
+from .harbor import HarborTask, load_tasks
+
+log = logging.getLogger(__name__)
+
+SHIPPED_TASKS = Path(__file__).parent / "tasks"
+HARBOR_DIR = ".harbor"  # in the workspace, on sandboxes that lend only a workspace
+BUILD_IMAGE_PREFIX = "build:"  # spec.image for a task whose image is built from environment/Dockerfile
+MISSING = 3  # exit code of the reward reader when no reward file exists
+
+BASH_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": ("Run a bash command in the task's working directory and return its combined "
+                        "stdout/stderr and exit code. Each call is a fresh shell: `cd` and variables do "
+                        "not carry over, files do."),
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "The bash command to run."}},
+            "required": ["command"],
+        },
+    },
+}
+
+
+# -- where Harbor's absolute paths live in a given sandbox ----------------------------------------
+
+class _Layout:
+    """Harbor's /tests, /solution and /logs, either as they are (containers) or inside the workspace."""
+
+    def __init__(self, root: str, native: bool, workdir: str | None) -> None:
+        self.native, self.root = native, root.rstrip("/")
+        base = "" if native else f"{root.rstrip('/')}/{HARBOR_DIR}"
+        self.harbor = base or "/"
+        self.tests, self.solution, self.logs = f"{base}/tests", f"{base}/solution", f"{base}/logs"
+        self.reward_dir = f"{self.logs}/verifier"
+        self._map = {} if native else {"/tests": self.tests, "/solution": self.solution, "/logs": self.logs}
+        if not native and workdir and workdir != "/":
+            self._map[workdir] = root
+
+    def write_path(self, path: str) -> str:
+        """The path to give `Sandbox.write_file`: workspace-relative where only the workspace is lent."""
+        return path if self.native else path[len(self.root):].lstrip("/")
+
+    def rewrite(self, text: str) -> str:
+        """Replace each mapped absolute path where it starts a path (not inside ``foo/tests``)."""
+        for src, dst in self._map.items():
+            pattern = rf"(?:^|(?<=[\s\"'=(:,\[<>|;`])){re.escape(src)}(?=$|[/\s\"'):;,\]|&<>`])"
+            text = re.sub(pattern, lambda _m, d=dst: d, text, flags=re.MULTILINE)
+        return text
+
+
+def _check(result: ExecResult, what: str) -> None:
+    """A setup command of ours that fails means the sandbox is broken, not the agent."""
+    if result.exit_code != 0:
+        raise SandboxError(f"terminal-bench: {what} failed in the sandbox (exit {result.exit_code}): "
+                           f"{(result.stderr or result.stdout).strip()[-300:]}")
+
+
+async def _layout(task: HarborTask, sandbox: Sandbox) -> _Layout:
+    native = task.needs_container
+    root = "/"
+    if not native:
+        result = await sandbox.exec("pwd", timeout_s=30)
+        _check(result, "finding the workspace (pwd)")
+        root = result.stdout.strip() or "/"
+    return _Layout(root, native, task.workdir)
+
+
+async def _install_dir(sandbox: Sandbox, layout: _Layout, source: Path, target: str) -> None:
+    """Copy a task folder (tests/ or solution/) into the sandbox, rewriting paths in its text files."""
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        if b"\0" not in data:
+            try:
+                data = layout.rewrite(data.decode("utf-8")).encode("utf-8")
+            except UnicodeDecodeError:
+                pass
+        await sandbox.write_file(layout.write_path(f"{target}/{path.relative_to(source).as_posix()}"), data)
+
+
+async def _prepare(sandbox: Sandbox, layout: _Layout, *dirs: str) -> None:
+    """Fresh, empty Harbor folders (the old ones, and anything the agent put there, are deleted)."""
+    quoted = " ".join(shlex.quote(d) for d in dirs)
+    clear = "" if layout.native else f"rm -rf {shlex.quote(layout.harbor)} && "
+    _check(await sandbox.exec(f"{clear}rm -rf {quoted} && mkdir -p {quoted}", timeout_s=30),
+           f"preparing {quoted}")
+
+
+# -- the episode ----------------------------------------------------------------------------------
+
+def _format_output(result: ExecResult, max_chars: int) -> str:
+    text = result.stdout + result.stderr
+    if len(text) > max_chars:
+        half = max_chars // 2
+        text = f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+    notes = []
+    if result.timed_out:
+        notes.append(f"[command timed out after {result.duration_s:.0f}s and was killed]")
+    elif result.limit_hit:
+        notes.append(f"[command stopped by the sandbox's {result.limit_hit} limit]")
+    if result.output_truncated:
+        notes.append("[output over the sandbox's limit was dropped]")
+    notes.append(f"[exit code: {result.exit_code}]")
+    return (text.rstrip("\n") + "\n" if text.strip() else "") + "\n".join(notes)
+
+
+class TerminalBenchSession(EnvSession):
+    """One episode: a `bash` tool over the sandbox, then the task's test.sh as verifier."""
+
+    tools = [BASH_TOOL]
+
+    def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int) -> None:
+        self.task, self.sandbox = task, sandbox
+        self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
+        self.agent_time_s = 0.0  # summed command time, held against the task's [agent] timeout_sec
+        self.verifier_result: ExecResult | None = None  # kept for logs and debugging
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        if name != "bash":
+            raise ToolError(f"unknown tool {name!r}; the only tool is bash")
+        command = arguments.get("command") if isinstance(arguments, dict) else None
+        if not isinstance(command, str) or not command.strip():
+            raise ToolError('bash needs a non-empty string argument "command", e.g. {"command": "ls -la"}')
+        left = self.task.agent_timeout_s - self.agent_time_s
+        if left <= 0:
+            return f"[the task's time limit of {self.task.agent_timeout_s:.0f}s is used up; command not run]"
+        # stderr joins stdout inside the shell so the two interleave as the agent would see them.
+        result = await self.sandbox.exec(f"exec 2>&1\n{command}", timeout_s=min(self.command_timeout_s, left))
+        self.agent_time_s += result.duration_s
+        return _format_output(result, self.max_output_chars)
+
+    async def score(self, messages: list[dict[str, Any]]) -> Reward:
+        """Run tests/test.sh on the final state and read the reward file it wrote."""
+        layout = await _layout(self.task, self.sandbox)
+        await _prepare(self.sandbox, layout, layout.tests, layout.reward_dir)
+        await _install_dir(self.sandbox, layout, self.task.path / "tests", layout.tests)
+        self.verifier_result = await self.sandbox.exec(
+            f"bash {shlex.quote(layout.tests + '/test.sh')}",
+            timeout_s=self.task.verifier_timeout_s, env=self.task.verifier_env or None)
+        if self.verifier_result.timed_out:
+            return Reward(0.0, {"tests_passed": 0.0, "verifier_timed_out": 1.0})
+        return await _read_reward(self.sandbox, layout)
+
+
+async def _read_reward(sandbox: Sandbox, layout: _Layout) -> Reward:
+    d = shlex.quote(layout.reward_dir)
+    script = (f"if [ -f {d}/reward.txt ]; then echo txt; head -c 4096 {d}/reward.txt; "
+              f"elif [ -f {d}/reward.json ]; then echo json; head -c 65536 {d}/reward.json; "
+              f"else exit {MISSING}; fi")
+    result = await sandbox.exec(script, timeout_s=30)
+    if result.exit_code == MISSING:
+        return Reward(0.0, {"tests_passed": 0.0, "reward_file_missing": 1.0})
+    _check(result, "reading the reward file")
+    kind, _, body = result.stdout.partition("\n")
+    values = _parse_reward(kind, body)
+    if values is None:
+        return Reward(0.0, {"tests_passed": 0.0, "reward_file_garbled": 1.0})
+    value, extra = values
+    return Reward(value, {"tests_passed": value, **extra})
+
+
+def _parse_reward(kind: str, body: str) -> tuple[float, dict[str, float]] | None:
+    """reward.txt: one number. reward.json: {"reward": x, ...} or a single numeric entry."""
+    def number(v: object) -> float | None:
+        if isinstance(v, bool) or not isinstance(v, int | float | str):
+            return None
+        try:
+            x = float(v)
+        except ValueError:
+            return None
+        return x if math.isfinite(x) else None
+
+    if kind == "txt":
+        x = number(body.strip())
+        return None if x is None else (x, {})
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    nums = {str(k): n for k, v in data.items() if (n := number(v)) is not None and not isinstance(v, str)}
+    if "reward" in nums:
+        return nums.pop("reward"), nums
+    return (next(iter(nums.values())), {}) if len(nums) == 1 else None
+
+
+# -- the environment ------------------------------------------------------------------------------
+
+class TerminalBenchEnv(Environment):
+    """Harbor-format terminal tasks (the shipped set or a --tasks folder), one bash tool, test.sh reward."""
+
+    name: ClassVar[str] = "terminal-bench"
+    description: ClassVar[str] = "Shell tasks in Harbor format: one bash tool in a sandbox, scored by the task's test.sh"
+    needs_sandbox: ClassVar[bool] = True
+
+    def __init__(self, tasks_dir: str | Path | None = None, *, sandbox: str = "local",
+                 command_timeout_s: float = 60.0, max_output_chars: int = 8000) -> None:
+        """``sandbox`` names the configured backend: with "local", tasks that need their own image are
+        left out of `tasks` (see `excluded`) because running them on the host would be wrong."""
+        self.tasks_dir = Path(tasks_dir) if tasks_dir else SHIPPED_TASKS
+        self.sandbox = sandbox
+        self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
+        self.harbor_tasks = {t.name: t for t in load_tasks(self.tasks_dir)}
+        self._warned = False
+
+    @property
+    def excluded(self) -> dict[str, str]:
+        """Tasks this configuration cannot run, with the reason (empty unless the sandbox is local)."""
+        if self.sandbox != "local":
+            return {}
+        return {t.name: _container_message(t) for t in self.harbor_tasks.values() if t.needs_container}
+
+    def tasks(self, split: str = "train") -> list[Task]:
+        chosen = [t for t in self.harbor_tasks.values()
+                  if split == "all" or t.split is None or t.split == split]
+        if not chosen:
+            splits = sorted({t.split for t in self.harbor_tasks.values() if t.split})
+            raise UserError(f"terminal-bench: no task in {self.tasks_dir} belongs to split {split!r}; "
+                            f"its splits are: {', '.join(splits) or 'none declared (every split)'}, or 'all'")
+        excluded = self.excluded
+        if excluded and not self._warned:
+            self._warned = True
+            log.warning("terminal-bench: %d task(s) need their own container image and are left out with the "
+                        "local sandbox: %s", len(excluded), "; ".join(excluded.values()))
+        runnable = [t for t in chosen if t.name not in excluded]
+        if not runnable:
+            raise UserError(f"terminal-bench: all {len(chosen)} task(s) of split {split!r} in {self.tasks_dir} "
+                            "need their own container image; configure a container sandbox (e.g. docker)")
+        return [self._as_task(t) for t in runnable]
+
+    @staticmethod
+    def _as_task(t: HarborTask) -> Task:
+        info = {"difficulty": t.difficulty, "category": t.category, "tags": list(t.tags), "path": str(t.path),
+                "agent_timeout_s": t.agent_timeout_s, "verifier_timeout_s": t.verifier_timeout_s,
+                "needs_container": t.needs_container, "container_reasons": list(t.container_reasons)}
+        return Task(id=t.name, messages=({"role": "user", "content": t.instruction},), info=info)
+
+    def harbor_task(self, task: Task | str) -> HarborTask:
+        name = task if isinstance(task, str) else task.id
+        if name not in self.harbor_tasks:
+            raise UserError(f"terminal-bench: unknown task {name!r} (not in {self.tasks_dir})")
+        return self.harbor_tasks[name]
+
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        t = self.harbor_task(task)
+        image = None
+        if t.needs_container:
+            image = t.docker_image or f"{BUILD_IMAGE_PREFIX}{t.path / 'environment'}"
+        longest = max(t.agent_timeout_s, t.verifier_timeout_s)  # the default; each exec passes its own
+        limits = SandboxLimits(wall_time_s=longest, cpu_time_s=math.ceil(longest),
+                               **({"memory_bytes": t.memory_mb << 20} if t.memory_mb else {}))
+        files = {rel: src.read_bytes() for rel, src in t.files.items()}
+        return SandboxSpec(image=image, files=files, env=dict(t.env), limits=limits)
+
+    async def open(self, task: Task, sandbox: Sandbox | None = None) -> EnvSession:
+        t = self.harbor_task(task)
+        if sandbox is None:
+            raise UserError("terminal-bench needs a sandbox; start one from sandbox_spec(task) and pass it to open")
+        if t.needs_container and getattr(sandbox, "name", "") == "local":
+            raise UserError(f"terminal-bench: {_container_message(t)}")
+        executable = [rel for rel, src in t.files.items() if src.stat().st_mode & 0o111]
+        if executable:
+            _check(await sandbox.exec("chmod +x -- " + " ".join(shlex.quote(p) for p in executable),
+                                      timeout_s=30), "marking environment scripts executable")
+        return TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars)
+
+    async def oracle_solve(self, task: Task | str, sandbox: Sandbox) -> ExecResult:
+        """Run the task's solution/solve.sh in the sandbox (the oracle policy); the caller scores after."""
+        t = self.harbor_task(task)
+        if not t.has_solution:
+            raise UserError(f"terminal-bench: task {t.name} has no oracle; add {t.path / 'solution' / 'solve.sh'}")
+        layout = await _layout(t, sandbox)
+        await _prepare(sandbox, layout, layout.solution)
+        await _install_dir(sandbox, layout, t.path / "solution", layout.solution)
+        result = await sandbox.exec(f"bash {shlex.quote(layout.solution + '/solve.sh')}",
+                                    timeout_s=t.agent_timeout_s, env=t.solution_env or None)
+        if not layout.native:  # leave the workspace as an agent would
+            _check(await sandbox.exec(f"rm -rf {shlex.quote(layout.harbor)}", timeout_s=30), "cleaning up")
+        return result
+
+
+def _container_message(t: HarborTask) -> str:
+    return (f"task {t.name} needs its own container image ({'; '.join(t.container_reasons)}), which the local "
+            "sandbox cannot provide; run it with a container sandbox (e.g. docker) or leave it out")

@@ -1,0 +1,4 @@
+#!/bin/bash
+# Oracle for count-lines.
+set -euo pipefail
+wc -l < words.txt | tr -d ' ' > count.txt

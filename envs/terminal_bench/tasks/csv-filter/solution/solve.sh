@@ -1,0 +1,4 @@
+#!/bin/bash
+# Oracle for csv-filter.
+set -euo pipefail
+awk -F, 'NR == 1 || $2 >= 30' people.csv > adults.csv

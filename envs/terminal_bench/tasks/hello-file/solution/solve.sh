@@ -1,0 +1,4 @@
+#!/bin/bash
+# Oracle for hello-file.
+set -euo pipefail
+echo 'Hello, world!' > hello.txt

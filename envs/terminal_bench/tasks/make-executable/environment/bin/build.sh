@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+echo "built from $(basename "$PWD")" > build.log
