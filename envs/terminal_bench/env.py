@@ -156,7 +156,7 @@ class TerminalBenchSession(EnvSession):
         if left <= 0:
             return f"[the task's time limit of {self.task.agent_timeout_s:.0f}s is used up; command not run]"
         # stderr joins stdout inside the shell so the two interleave as the agent would see them.
-        result = await self.sandbox.exec(f"exec 2>&1\n{command}", timeout_s=min(self.command_timeout_s, left))
+        result = await self.sandbox.exec(f"exec 2>&1; {command}", timeout_s=min(self.command_timeout_s, left))
         self.agent_time_s += result.duration_s
         return _format_output(result, self.max_output_chars)
 
@@ -224,6 +224,7 @@ class TerminalBenchEnv(Environment):
     name: ClassVar[str] = "terminal-bench"
     description: ClassVar[str] = "Shell tasks in Harbor format: one bash tool in a sandbox, scored by the task's test.sh"
     needs_sandbox: ClassVar[bool] = True
+    default_harness: ClassVar[str] = "terminal"  # the Terminus-style loop, which drives the bash tool
 
     def __init__(self, tasks_dir: str | Path | None = None, *, sandbox: str = "local",
                  command_timeout_s: float = 60.0, max_output_chars: int = 8000) -> None:

@@ -175,3 +175,22 @@ def test_agent_time_budget_is_enforced(tmp_path):
         assert "time limit" in await session.call_tool("bash", {"command": "echo again"})
 
     asyncio.run(episode(env, env.tasks()[0], play))
+
+
+def test_full_episode_through_runner_and_terminal_harness(tokenizer, scripted):
+    """The path `miles-agent train --env terminal-bench` takes: runner -> terminal harness -> bash tool."""
+    from miles_agent.harnesses.terminal import TerminalHarness
+
+    from miles_agent.engine import SamplingParams
+    from miles_agent.environment import HarnessLimits
+    from miles_agent.rollout.episodes import EpisodeRunner
+
+    env = TerminalBenchEnv()
+    task = next(t for t in env.tasks() if t.id == "hello-file")
+    harness = TerminalHarness(tokenizer, HarnessLimits(max_total_tokens=4096), SamplingParams(max_new_tokens=128))
+    runner = EpisodeRunner(env, harness, make_sandbox=LocalSandbox)
+    good = scripted(["<bash>echo 'Hello, world!' > hello.txt</bash>", "Done."])
+    (traj,) = asyncio.run(runner.run(task, good, "g"))
+    assert traj.reward == 1.0
+    (traj,) = asyncio.run(runner.run(task, scripted(["<bash>echo hi > hello.txt</bash>", "Done."]), "g"))
+    assert traj.reward == 0.0 and runner.stats.failed == 0
