@@ -61,8 +61,8 @@ class ChatToolsHarness(Harness):
         self.sampling = replace(sampling, stop_token_ids=self.stop_ids)
 
     async def run(self, task: Task, session: EnvSession, policy: Policy) -> list[Trajectory]:
-        renderer = ChatRenderer(self.tokenizer, session.tools)
-        messages: list[dict[str, Any]] = [dict(m) for m in task.messages]
+        renderer = ChatRenderer(self.tokenizer, self.prompt_tools(session))
+        messages = self.opening_messages(task)
         traj = self._new_branch(renderer, messages, task, 0)
         branches, turn, status = [traj], 0, Status.COMPLETED
         while True:
@@ -108,7 +108,14 @@ class ChatToolsHarness(Harness):
             b.metadata["turns"] = turn + 1
         return branches
 
-    # -- the two points a harness variant changes ------------------------------------------------
+    # -- the points a harness variant changes ---------------------------------------------------
+    def prompt_tools(self, session: EnvSession) -> list[dict[str, Any]] | None:
+        """Tool schemas the chat template renders into the prompt."""
+        return session.tools
+
+    def opening_messages(self, task: Task) -> list[dict[str, Any]]:
+        return [dict(m) for m in task.messages]
+
     def parse_actions(self, text: str) -> tuple[list[ToolCall], list[str]]:
         """The actions in a model turn, plus an error message for each malformed one."""
         return parse_tool_calls(text)

@@ -12,14 +12,30 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from miles_agent.environment import EnvSession, Task
 from miles_agent.harnesses.chat_tools import ChatToolsHarness, ToolCall
 
 _BASH = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
+
+INSTRUCTIONS = ("You are in a Linux shell in the task's working directory. Run a command by writing "
+                "<bash>COMMAND</bash>; its output comes back in the next message. When the task is done, "
+                "reply without a command.")
 
 
 class TerminalHarness(ChatToolsHarness):
     name = "terminal"
     description = "Terminus-style shell loop: <bash>cmd</bash> blocks run in the sandbox; output is the next turn."
+
+    def prompt_tools(self, session: EnvSession) -> list[dict[str, Any]] | None:
+        return None  # the action format is the <bash> block, explained in the system message
+
+    def opening_messages(self, task: Task) -> list[dict[str, Any]]:
+        messages = [dict(m) for m in task.messages]
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = INSTRUCTIONS + "\n" + messages[0]["content"]
+        else:
+            messages.insert(0, {"role": "system", "content": INSTRUCTIONS})
+        return messages
 
     def parse_actions(self, text: str) -> tuple[list[ToolCall], list[str]]:
         commands = [c.strip() for c in _BASH.findall(text)]

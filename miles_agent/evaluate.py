@@ -18,6 +18,9 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
     env = build_env(cfg)
     tasks = env.tasks(split)[:limit] if limit else env.tasks(split)
     engine: Any = None
+    make_sandbox = registry.load("sandboxes", cfg.env.sandbox) if env.needs_sandbox else None
+    if policy == "oracle" and hasattr(env, "oracle_solve"):
+        return await _solve_with_oracle(env, tasks, make_sandbox, cfg.rollout.concurrency)
     if policy == "oracle":
         if not hasattr(env, "oracle_policy"):
             raise UserError(f"environment {env.name!r} has no oracle; use --policy model")
@@ -35,7 +38,6 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
                                    device=cfg.model.device)
     else:
         raise UserError(f"unknown --policy {policy!r}; use 'model' or 'oracle'")
-    make_sandbox = registry.load("sandboxes", cfg.env.sandbox) if env.needs_sandbox else None
     runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
     try:
         trajs = await collect(runner, tasks, 1, pol, cfg.rollout.concurrency)
@@ -43,3 +45,28 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
         if engine is not None:
             await engine.shutdown()
     return rollout_metrics(trajs)
+
+
+async def _solve_with_oracle(env: Any, tasks: list[Any], make_sandbox: Any, concurrency: int) -> dict[str, float]:
+    """Environments whose oracle is a script (terminal-bench's solve.sh): run it, then the verifier."""
+    import asyncio
+
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(task: Any) -> float:
+        async with sem:
+            sandbox = make_sandbox()
+            await sandbox.start(env.sandbox_spec(task))
+            try:
+                session = await env.open(task, sandbox)
+                try:
+                    await env.oracle_solve(task, sandbox)
+                    return (await session.score([])).value
+                finally:
+                    await session.close()
+            finally:
+                await sandbox.stop()
+
+    rewards = await asyncio.gather(*(one(t) for t in tasks))
+    n = len(rewards)
+    return {"episodes": float(n), "failed": 0.0, "reward_mean": sum(rewards) / n if n else float("nan")}

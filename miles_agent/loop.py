@@ -53,7 +53,11 @@ class TaskSampler:
 
 def build_env(cfg: Config) -> Environment:
     cls = registry.load("envs", cfg.env.name)
+    import inspect
+
     kwargs: dict[str, Any] = {}
+    if "sandbox" in inspect.signature(cls).parameters:  # environments that route tasks by sandbox backend
+        kwargs["sandbox"] = cfg.env.sandbox
     if cfg.env.tasks:
         if not Path(cfg.env.tasks).is_dir():
             raise UserError(f"--tasks {cfg.env.tasks} is not a folder; point it at a folder of task directories")
