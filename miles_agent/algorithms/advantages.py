@@ -1,0 +1,119 @@
+"""Advantage estimators: small pure functions over per-sample rewards, chosen by name.
+
+The driver computes advantages (trainers stay algorithm-blind): one scalar per sample from the
+rewards of its group, then :func:`per_token` broadcasts it over the sample's response positions.
+
+Groups are whatever ``group_ids`` says, and may be uneven in size: a group's statistics use only
+its own members, never a fixed ``samples_per_prompt`` reshape (the uneven-group pitfall of
+slime #1414 / #2230). A group of one has no baseline, so its advantage is 0.
+
+The module needs only the standard library, so environment workers can import it without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+
+from miles_agent.errors import UserError
+from miles_agent.types import Trajectory
+
+AdvantageFn = Callable[..., list[float]]
+
+
+def _groups(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    """Sample indices per group, in first-seen order."""
+    out: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        out.setdefault(g, []).append(i)
+    return out
+
+
+def _check(rewards: Sequence[float], group_ids: Sequence[Hashable]) -> None:
+    if len(rewards) != len(group_ids):
+        raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
+    for i, r in enumerate(rewards):
+        if r is None or not math.isfinite(r):
+            raise ValueError(f"reward of sample {i} is {r!r}; every trained sample needs a finite reward")
+
+
+def grpo(rewards: Sequence[float], group_ids: Sequence[Hashable], normalize_std: bool = True,
+         eps: float = 1e-6) -> list[float]:
+    """GRPO: ``(r - group mean) / (group std + eps)``; with ``normalize_std=False``, ``r - group mean``.
+
+    The std is the *population* std (divide by n, not n - 1): it is defined for every group size and
+    makes a group's normalized advantages have unit variance, whatever the size. Dividing by the std
+    is what Dr.GRPO drops, because it up-weights groups that are almost all right or all wrong.
+    """
+    _check(rewards, group_ids)
+    adv = [0.0] * len(rewards)
+    for idx in _groups(group_ids).values():
+        if len(idx) < 2:
+            continue  # no baseline from a lone sample: advantage 0
+        vals = [float(rewards[i]) for i in idx]
+        mean = sum(vals) / len(vals)
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
+        for i, v in zip(idx, vals):
+            adv[i] = (v - mean) / (std + eps) if normalize_std else v - mean
+    return adv
+
+
+def dr_grpo(rewards: Sequence[float], group_ids: Sequence[Hashable], normalize_std: bool = False,
+            eps: float = 1e-6) -> list[float]:
+    """Dr.GRPO: the group mean as baseline, no std division (``normalize_std`` is ignored)."""
+    return grpo(rewards, group_ids, normalize_std=False, eps=eps)
+
+
+def rloo(rewards: Sequence[float], group_ids: Sequence[Hashable], normalize_std: bool = False,
+         eps: float = 1e-6) -> list[float]:
+    """REINFORCE leave-one-out: ``r - mean of the other members of the group`` (unbiased baseline).
+
+    ``normalize_std`` and ``eps`` are accepted for a uniform signature and ignored.
+    """
+    _check(rewards, group_ids)
+    adv = [0.0] * len(rewards)
+    for idx in _groups(group_ids).values():
+        n = len(idx)
+        if n < 2:
+            continue
+        total = sum(float(rewards[i]) for i in idx)
+        for i in idx:
+            adv[i] = float(rewards[i]) - (total - float(rewards[i])) / (n - 1)
+    return adv
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
+
+
+def get_advantage_fn(name: str) -> AdvantageFn:
+    """The estimator registered as ``name``, or a UserError listing the valid names."""
+    try:
+        return ADVANTAGES[name]
+    except KeyError:
+        raise UserError(f"unknown advantage estimator {name!r}; choose one of: {', '.join(ADVANTAGES)} "
+                        "(config key algo.advantage)") from None
+
+
+def sample_advantages(trajectories: Sequence[Trajectory], name: str = "grpo", normalize_std: bool = True,
+                      eps: float = 1e-6) -> list[float]:
+    """One advantage per trajectory, grouped by ``Trajectory.group_id`` (taken literally: ``""`` is a group)."""
+    rewards = [t.reward for t in trajectories]
+    return get_advantage_fn(name)(rewards, [t.group_id for t in trajectories], normalize_std=normalize_std,
+                                  eps=eps)
+
+
+def per_token(trajectories: Sequence[Trajectory], sample_advantages: Sequence[float]) -> list[list[float]]:
+    """Broadcast each sample's advantage over every response position.
+
+    Every position gets the value, observation tokens included: the loss mask, not the advantage,
+    decides what trains, so the two never have to agree.
+    """
+    if len(trajectories) != len(sample_advantages):
+        raise ValueError(f"{len(trajectories)} trajectories but {len(sample_advantages)} advantages")
+    return [[float(a)] * t.response_length for t, a in zip(trajectories, sample_advantages)]
+
+
+def token_advantages(trajectories: Sequence[Trajectory], name: str = "grpo",
+                     normalize_std: bool = True) -> list[list[float]]:
+    """``per_token(sample_advantages(...))``: what ``TrainBatch.advantages`` wants."""
+    return per_token(trajectories, sample_advantages(trajectories, name, normalize_std))
