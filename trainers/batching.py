@@ -1,0 +1,125 @@
+"""Splitting a train batch across ranks and into padded micro-batches, and laying it out as tensors.
+
+Every rank receives the whole batch and computes the *same* plan locally (no communication): the
+sequences are balanced over ranks by token count, then bin-packed into micro-batches of at most
+``micro_batch_tokens`` padded tokens. FSDP runs collectives in every forward and backward, so all
+ranks must run the same number of micro-batches: ranks with fewer get empty "filler" micro-batches
+(one pad row, nothing trains) to keep them in lockstep.
+
+Tensors live on a grid of next-token positions: column ``c`` of a micro-batch holds the prediction
+made at input position ``offset + c`` for the token at ``offset + c + 1``. ``offset`` is the
+shortest prompt minus one, so the LM head never runs on positions that only predict prompt tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles_agent.types import SpanKind, Trajectory
+
+
+def split_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indices per rank, longest first to the least-loaded rank (ties: lowest rank); deterministic."""
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += lengths[i]
+    return shares
+
+
+def pack_micro_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Greedy packing of length-sorted sequences: a micro-batch grows while ``rows * longest`` (its
+    padded size) stays within ``max_tokens``. Sorting keeps padding small; no sequence is split, so a
+    sequence longer than ``max_tokens`` gets a micro-batch of its own."""
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def rank_plan(lengths: Sequence[int], max_tokens: int, world_size: int, rank: int) -> list[list[int]]:
+    """This rank's micro-batches (lists of batch indices), padded with ``[]`` fillers to the longest plan."""
+    plans = [pack_micro_batches(share, lengths, max_tokens) for share in split_across_ranks(lengths, world_size)]
+    longest = max((len(p) for p in plans), default=0)
+    return plans[rank] + [[] for _ in range(longest - len(plans[rank]))]
+
+
+@dataclass
+class MicroBatch:
+    """One padded micro-batch on the next-token grid (see the module docstring)."""
+
+    indices: list[int]  # batch indices of the rows; [] for a filler
+    input_ids: Tensor  # [B, L] right-padded
+    attention_mask: Tensor  # [B, L]
+    offset: int  # grid column 0 predicts input position offset + 1
+    targets: Tensor  # [B, K] the token each grid column predicts
+    loss_mask: Tensor  # [B, K] float, 1 where a token trains
+    sampled: Tensor  # [B, K] bool, response positions the model sampled
+    advantages: Tensor  # [B, K]
+    rollout_logp: Tensor  # [B, K]
+    response_cols: list[tuple[int, int]]  # per row: (first grid column of the response, response length)
+
+    @property
+    def keep(self) -> int:
+        """How many trailing input positions need logits (``logits_to_keep``)."""
+        return self.input_ids.shape[1] - self.offset
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        for name in ("input_ids", "attention_mask", "targets", "loss_mask", "sampled", "advantages",
+                     "rollout_logp"):
+            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        return self
+
+    def rows_to_lists(self, grid: Tensor) -> list[list[float]]:
+        """Per row, the response-aligned values of a ``[B, K]`` grid tensor (0.0 where not sampled)."""
+        vals = torch.where(self.sampled, grid.detach().float(), torch.zeros((), device=grid.device)).cpu()
+        return [vals[b, c:c + n].tolist() for b, (c, n) in enumerate(self.response_cols)]
+
+
+def build_micro_batch(trajectories: Sequence[Trajectory], indices: list[int],
+                      advantages: Sequence[Sequence[float]] | None, pad_id: int) -> MicroBatch:
+    """Lay out ``trajectories[indices]`` on the grid; ``indices == []`` builds a filler row."""
+    rows = [trajectories[i] for i in indices]
+    if not rows:  # a filler: two pad tokens, nothing trains, every parameter still sees a forward
+        filler = Trajectory(prompt_ids=[pad_id])
+        filler.append_observation([pad_id], turn=0)
+        rows, advs = [filler], [[0.0]]
+    else:
+        advs = [advantages[i] for i in indices] if advantages is not None else [[0.0] * t.response_length
+                                                                                for t in rows]
+    for t in rows:
+        if not t.prompt_ids and t.response_length:
+            raise ValueError(f"trajectory {t.uid} has an empty prompt: its first token has no prediction")
+    seq_len = max(len(t.tokens) for t in rows)
+    offset = max(min(min(len(t.prompt_ids) for t in rows) - 1, seq_len - 2), 0)
+    width = seq_len - offset - 1
+    shape = (len(rows), width)
+    input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    grid = {k: torch.zeros(shape) for k in ("loss_mask", "advantages", "rollout_logp")}
+    sampled = torch.zeros(shape, dtype=torch.bool)
+    cols = []
+    for b, (t, adv) in enumerate(zip(rows, advs)):
+        input_ids[b, :len(t.tokens)] = torch.tensor(t.tokens, dtype=torch.long)
+        attention[b, :len(t.tokens)] = 1
+        c, n = len(t.prompt_ids) - 1 - offset, t.response_length
+        cols.append((c, n))
+        grid["loss_mask"][b, c:c + n] = torch.tensor(t.loss_mask, dtype=torch.float)
+        grid["advantages"][b, c:c + n] = torch.tensor(adv, dtype=torch.float)
+        grid["rollout_logp"][b, c:c + n] = torch.tensor(t.rollout_logprobs, dtype=torch.float)
+        for span in t.spans:
+            if span.kind is SpanKind.MODEL:
+                sampled[b, c + span.start:c + span.end] = True
+    targets = input_ids[:, offset + 1:].clone()
+    return MicroBatch(list(indices), input_ids, attention, offset, targets, sampled=sampled,
+                      response_cols=cols, **grid)
