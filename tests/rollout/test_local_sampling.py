@@ -1,0 +1,137 @@
+"""Sampling parameters, stop conditions and request validation of the embedded engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from engine_helpers import GREEDY, prompts, run_all
+
+from miles_agent.engine import FinishReason, SamplingParams
+from miles_agent.rollout.sampling import sample
+
+
+def one(engine, prompt, sampling=GREEDY, **kw):
+    return run_all(engine, [prompt], sampling, **kw)[0]
+
+
+def test_stop_token_is_kept_and_finishes_stop(make_engine):
+    engine = make_engine()
+    p = prompts(20, seed=10)[0]
+    ref = one(engine, p).output_ids
+    stop = ref[5]
+    first = ref.index(stop)
+    out = one(engine, p, SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=(stop,)))
+    assert out.output_ids == ref[: first + 1]
+    assert out.output_ids[-1] == stop
+    assert len(out.output_logprobs) == len(out.output_ids)
+    assert out.finish_reason is FinishReason.STOP
+    assert out.meta["matched_stop"] == stop
+
+
+def test_eos_stops_like_sglang(make_engine):
+    """The model's EOS stops generation (kept, finish stop) even when stop_token_ids is empty."""
+    engine = make_engine()
+    p = prompts(20, seed=10)[0]
+    ref = one(engine, p).output_ids
+    engine.eos_ids = frozenset({ref[3]})
+    out = one(engine, p)
+    assert out.output_ids == ref[: ref.index(ref[3]) + 1]
+    assert out.finish_reason is FinishReason.STOP
+
+
+def test_max_new_tokens_finishes_length(make_engine):
+    engine = make_engine()
+    out = one(engine, prompts(10)[0], SamplingParams(max_new_tokens=7, temperature=0))
+    assert len(out.output_ids) == 7
+    assert out.finish_reason is FinishReason.LENGTH
+    zero = one(engine, prompts(10)[0], SamplingParams(max_new_tokens=0))
+    assert zero.output_ids == [] and zero.finish_reason is FinishReason.LENGTH
+
+
+def test_context_limit_finishes_length(make_engine):
+    engine = make_engine(max_seq_len=40)
+    out = one(engine, prompts(30)[0], SamplingParams(max_new_tokens=50, temperature=0))
+    assert len(out.output_ids) == 10
+    assert out.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_string_ends_output_after_it(make_engine, tiny_models):
+    tok = tiny_models["tiny-qwen3"][1]
+    engine = make_engine()
+    p = prompts(15, seed=11)[0]
+    ref = one(engine, p, SamplingParams(max_new_tokens=24, temperature=0)).output_ids
+    stop = tok.decode(ref[6:8])
+    expected = next(ref[:n] for n in range(1, len(ref) + 1) if stop in tok.decode(ref[:n]))
+    out = one(engine, p, SamplingParams(max_new_tokens=24, temperature=0, stop=(stop,)))
+    assert out.output_ids == expected
+    assert tok.decode(out.output_ids).endswith(stop)
+    assert out.finish_reason is FinishReason.STOP
+    assert out.meta["matched_stop"] == stop
+
+
+def test_seeded_sampling_is_reproducible(make_engine):
+    engine = make_engine()
+    p = prompts(12, seed=12)[0]
+    sp = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=99)
+    a, b = one(engine, p, sp), one(make_engine(), p, sp)
+    assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
+    c = one(engine, p, SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=100))
+    assert c.output_ids != a.output_ids
+
+
+def test_top_k_one_equals_greedy(make_engine):
+    engine = make_engine()
+    ps = prompts(8, 21, seed=13)
+    greedy = run_all(engine, ps, GREEDY)
+    topk1 = run_all(engine, ps, SamplingParams(max_new_tokens=16, temperature=0.8, top_k=1))
+    assert [g.output_ids for g in greedy] == [t.output_ids for t in topk1]
+
+
+def test_sampler_top_p_and_top_k_keep_only_the_nucleus():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    logits = probs.log()
+    seen_p, seen_k = set(), set()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        seen_p.update(sample(logits, [SamplingParams(top_p=0.5)], [gen])[0])
+        seen_k.update(sample(logits, [SamplingParams(top_k=3)], [gen])[0])
+    assert seen_p == {0, 1}
+    assert seen_k == {0, 1, 2}
+    toks, lps = sample(logits, [SamplingParams(temperature=0)], [gen])
+    assert toks == [0] and lps[0] == pytest.approx(float(logits.log_softmax(-1)[0, 0]))
+
+
+def test_bad_requests_raise_value_error(make_engine, tiny_models):
+    engine = make_engine(max_seq_len=32)
+    too_long = prompts(32)[0]
+
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            await engine.generate([], GREEDY)
+        with pytest.raises(ValueError, match="context"):
+            await engine.generate(too_long, GREEDY)
+        with pytest.raises(ValueError, match="vocabulary"):
+            await engine.generate([1, 10**6], GREEDY)
+        with pytest.raises(ValueError, match="MoE"):
+            await engine.generate([1, 2], GREEDY, return_routed_experts=True)
+        assert await engine.health()
+
+    asyncio.run(main())
+    from miles_agent.rollout.local import LocalEngine
+
+    no_tok = LocalEngine(tiny_models["tiny-qwen3"][0].__class__(tiny_models["tiny-qwen3"][0].config))
+    with pytest.raises(ValueError, match="tokenizer"):
+        asyncio.run(no_tok.generate([1, 2], SamplingParams(stop=("x",))))
+
+
+def test_unsupported_model_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from miles_agent.rollout.local import LocalEngine
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=50)
+    with pytest.raises(ValueError, match="qwen3"):
+        LocalEngine(LlamaForCausalLM(cfg))
