@@ -1,0 +1,257 @@
+"""What the local sandbox isolates with: the bubblewrap command line, its probe, and a pids cgroup.
+
+Bubblewrap gives each command its own user, mount, pid, network, ipc, uts and cgroup namespaces.
+The mount namespace holds only: /usr and the /bin, /lib* links read-only, an /etc staged from an
+allowlist of harmless host files (no shadow, gitconfig, pip.conf, npmrc, ssl/private) plus a
+synthesized passwd/group/hosts, fresh /proc and /dev, and three private per-episode folders bound
+read-write: /workspace, /tmp and /root (HOME). The host's /root, /home, /tmp and the project are
+simply absent. The network namespace has only its own loopback, so a service on the host's
+127.0.0.1 is unreachable.
+
+RLIMIT_NPROC cannot stop a fork bomb here: the kernel exempts host uid 0 (a sandbox of root is uid 0
+mapped to host root, without capabilities), and for other users it counts every process of that uid
+on the host. A pids cgroup (v1, or v2 where ``pids`` is delegated to our cgroup) is a hard
+per-command limit; where none is writable the runner counts the sandbox's processes and kills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import glob
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+# Host /etc entries a sandbox may see: loader config, alternatives (awk, editor ...), locale and CA
+# data. Credentials and host config (shadow, gitconfig, pip.conf, npmrc, ssl/private) stay out.
+ETC_ALLOWLIST = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone",
+    "ssl/certs", "ssl/openssl.cnf", "ca-certificates", "mime.types", "magic", "magic.mime",
+    "os-release", "debian_version", "protocols", "services", "shells", "terminfo", "perl",
+    "gai.conf", "host.conf",
+)
+SYNTHESIZED_ETC = {
+    "passwd": "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "group": "root:x:0:\nnogroup:x:65534:\n",
+    "hosts": "127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n",
+    "hostname": "sandbox\n",
+    "nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files\n",
+    "resolv.conf": "",
+}
+INSIDE_WORKSPACE = "/workspace"
+SHM_BYTES = 64 << 20
+INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora/RHEL: "
+                "`dnf install bubblewrap`; Arch: `pacman -S bubblewrap`), or construct "
+                "LocalSandbox(isolation='none') to run commands without isolation")
+
+
+_staged_etc: str | None = None
+
+
+def staged_etc() -> str:
+    """A read-only-to-be /etc for every sandbox of this process: copies of the allowlisted host entries
+    plus the synthesized files. Built once (mounting each entry separately doubled bwrap's start time)
+    and removed at exit."""
+    global _staged_etc
+    if _staged_etc is not None and os.path.isdir(_staged_etc):
+        return _staged_etc
+    etc = tempfile.mkdtemp(prefix="miles-agent-etc-")
+    os.chmod(etc, 0o755)
+    python_etc = [p[len("/etc/"):] for p in glob.glob("/etc/python3*")]
+    for rel in (*ETC_ALLOWLIST, *python_etc):
+        _copy_entry(f"/etc/{rel}", os.path.join(etc, rel))
+    for name, text in SYNTHESIZED_ETC.items():
+        with open(os.path.join(etc, name), "w") as f:
+            f.write(text)
+    atexit.register(shutil.rmtree, etc, ignore_errors=True)
+    _staged_etc = etc
+    return etc
+
+
+def _copy_entry(src: str, dst: str) -> None:
+    """Copy a file, folder or symlink as it is (symlinks stay links, resolved inside the sandbox)."""
+    try:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        elif os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True, ignore_dangling_symlinks=True)
+        elif os.path.isfile(src):
+            shutil.copy2(src, dst)
+    except OSError:
+        pass  # unreadable or vanished: the sandbox simply does not get it
+
+
+def _system_mounts(extra_ro_binds: tuple[str, ...]) -> list[str]:
+    """/usr read-only, the top-level /bin, /lib* as the host has them (merged-usr links or folders)."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for path in extra_ro_binds:
+        args += ["--ro-bind-try", path, path]
+    return args
+
+
+def bwrap_prefix(bwrap: str, fs_dir: str, *, userns: bool,
+                 extra_ro_binds: tuple[str, ...] = ()) -> list[str]:
+    """The per-sandbox part of the bwrap command line (everything but the status fd and the command)."""
+    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--hostname", "sandbox"]
+    if userns:  # an explicit user namespace, and none nested inside (less kernel attack surface)
+        args += ["--unshare-user", "--disable-userns"]
+    args += _system_mounts(extra_ro_binds) + ["--ro-bind", staged_etc(), "/etc"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
+    args += ["--bind", os.path.join(fs_dir, "workspace"), INSIDE_WORKSPACE,
+             "--bind", os.path.join(fs_dir, "tmp"), "/tmp",
+             "--bind", os.path.join(fs_dir, "root"), "/root",
+             "--chdir", INSIDE_WORKSPACE]
+    return args
+
+
+_probe_cache: dict[str, bool] = {}  # bwrap path -> whether a user namespace can be created
+
+
+async def probe_bwrap(bwrap: str, fs_dir: str) -> bool:
+    """Check once per bwrap binary that it can build our sandbox; returns whether userns is used.
+
+    Tries the full set of namespaces first and then without the user namespace (root on a kernel
+    without user namespaces). Raises RuntimeError with bwrap's own message when neither works.
+    """
+    if bwrap in _probe_cache:
+        return _probe_cache[bwrap]
+    errors = []
+    for userns in (True, False):
+        argv = bwrap_prefix(bwrap, fs_dir, userns=userns) + ["--", "/bin/sh", "-c", "exit 0"]
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, env={"PATH": "/usr/bin:/bin"})
+        _, err = await proc.communicate()
+        if proc.returncode == 0:
+            _probe_cache[bwrap] = userns
+            return userns
+        errors.append(err.decode(errors="replace").strip() or f"exit {proc.returncode}")
+    raise RuntimeError("; ".join(dict.fromkeys(errors)))
+
+
+# -- pids cgroup ----------------------------------------------------------------------------------
+
+def _own_cgroup_dirs() -> list[str]:
+    """Candidate parents for our cgroups: the pids v1 hierarchy, then cgroup v2, at our own cgroup."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return []
+    v1 = {c: p for _, cs, p in (ln.split(":", 2) for ln in lines) for c in cs.split(",") if c}
+    v2 = next((p for h, cs, p in (ln.split(":", 2) for ln in lines) if h == "0" and cs == ""), None)
+    found = []
+    for m in mounts:
+        sep = m.index("-")
+        fstype, options = m[sep + 1], m[sep + 3] if len(m) > sep + 3 else ""
+        if fstype == "cgroup" and "pids" in options.split(",") and "pids" in v1:
+            found.append(_on_disk(m[4], m[3], v1["pids"]))
+        elif fstype == "cgroup2" and v2 is not None:
+            found.append(_on_disk(m[4], m[3], v2))
+    return found
+
+
+def _on_disk(mount_point: str, mount_root: str, cgroup: str) -> str:
+    """Where cgroup path ``cgroup`` lives under a mount of ``mount_root`` (containers mount a subtree)."""
+    if mount_root != "/" and cgroup.startswith(mount_root):
+        cgroup = cgroup[len(mount_root):]
+    return (mount_point.rstrip("/") + "/" + cgroup.strip("/")).rstrip("/")
+
+
+@dataclass
+class PidsCgroup:
+    """One command's pids cgroup: a hard process limit, its hit counter, and everything inside it."""
+
+    path: str
+
+    @property
+    def procs_file(self) -> str:
+        return os.path.join(self.path, "cgroup.procs")
+
+    def limit_hits(self) -> int:
+        """How many forks the limit refused (``max`` in pids.events)."""
+        try:
+            with open(os.path.join(self.path, "pids.events")) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "max":
+                        return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def pids(self) -> list[int]:
+        try:
+            with open(self.procs_file) as f:
+                return [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            return []
+
+    def kill_all(self) -> None:
+        kill_file = os.path.join(self.path, "cgroup.kill")  # v2, Linux 5.14+
+        if os.path.exists(kill_file):
+            try:
+                with open(kill_file, "w") as f:
+                    f.write("1")
+                return
+            except OSError:
+                pass
+        for pid in self.pids():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+    def remove(self) -> bool:
+        try:
+            os.rmdir(self.path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+
+_cgroup_parent: str | None | bool = False  # False: not yet looked for; None: none usable
+
+
+def _usable_parent(parent: str) -> bool:
+    probe = os.path.join(parent, f"miles-agent-probe-{uuid.uuid4().hex[:8]}")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return False
+    try:
+        return os.path.exists(os.path.join(probe, "pids.max"))
+    finally:
+        os.rmdir(probe)
+
+
+def create_pids_cgroup(name: str, max_pids: int) -> PidsCgroup | None:
+    """A fresh cgroup limited to ``max_pids`` tasks, or None where no pids controller is writable."""
+    global _cgroup_parent
+    if _cgroup_parent is False:
+        _cgroup_parent = next((p for p in _own_cgroup_dirs() if _usable_parent(p)), None)
+    if not _cgroup_parent:
+        return None
+    path = os.path.join(str(_cgroup_parent), name)
+    try:
+        os.mkdir(path)
+        with open(os.path.join(path, "pids.max"), "w") as f:
+            f.write(str(max_pids))
+    except OSError:
+        PidsCgroup(path).remove()
+        return None
+    return PidsCgroup(path)

@@ -1,0 +1,149 @@
+"""Host-side file access to a sandbox's workspace that a hostile sandbox cannot redirect.
+
+The sandbox's own commands can leave symlinks in the workspace (``ln -s /root/.ssh/id_rsa key``). The
+trainer reads and writes workspace files as the host user, so every path is resolved the way the
+sandbox itself would see it: with ``openat2(RESOLVE_IN_ROOT)`` against the sandbox's filesystem
+root (``<sandbox>/fs``, which holds ``workspace/``, ``tmp/`` and ``root/``), so an absolute or ``..``
+symlink can never climb out, and the opened file's real path must then lie inside the workspace.
+Resolution happens in the kernel, so a symlink swapped concurrently cannot win a race either.
+Kernels older than 5.6 have no openat2; there a realpath check is used (documented race).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import posixpath
+
+_SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall table unification)
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_IN_ROOT = 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_have_openat2: bool | None = None  # unknown until first use
+
+
+def workspace_relative(path: str, inside_root: str) -> str:
+    """``path`` (workspace-relative, or absolute under ``inside_root``) as a workspace-relative path.
+
+    Lexical escapes (``..`` above the workspace, absolute paths elsewhere) are refused here, before
+    touching the filesystem; symlinks are handled by `open_in_workspace`.
+    """
+    if not isinstance(path, str) or "\0" in path:
+        raise ValueError(f"invalid sandbox path {path!r}")
+    norm = posixpath.normpath(path) if path else "."
+    if norm.startswith("/"):
+        root = inside_root.rstrip("/")
+        if norm == root:
+            norm = "."
+        elif norm.startswith(root + "/"):
+            norm = norm[len(root) + 1:]
+        else:
+            raise PermissionError(f"path {path!r} is outside the sandbox workspace {inside_root}")
+    if norm == ".." or norm.startswith("../"):
+        raise PermissionError(f"path {path!r} escapes the sandbox workspace")
+    return norm
+
+
+def _openat2(root_fd: int, path: str, flags: int, mode: int = 0) -> int:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+    fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(root_fd), os.fsencode(path),
+                  ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return int(fd)
+
+
+def _open_fallback(root: str, path: str, flags: int, mode: int = 0) -> int:
+    """Pre-5.6 kernels: resolve on the host, then refuse anything whose real path left ``root``."""
+    real = os.path.realpath(os.path.join(root, path))
+    if real != root and not real.startswith(root + "/"):
+        raise PermissionError(f"path {path!r} resolves outside the sandbox")
+    return os.open(real, flags | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+
+
+def _open_in_root(root: str, root_fd: int, path: str, flags: int, mode: int = 0) -> int:
+    global _have_openat2
+    if _have_openat2 is not False:
+        try:
+            fd = _openat2(root_fd, path, flags, mode)
+            _have_openat2 = True
+            return fd
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.EPERM) or _have_openat2:
+                raise
+            _have_openat2 = False  # no openat2 (or a seccomp filter forbids it)
+    return _open_fallback(root, path, flags, mode)
+
+
+def _check_inside(fd: int, workspace: str, path: str) -> None:
+    real = os.readlink(f"/proc/self/fd/{fd}")
+    if real != workspace and not real.startswith(workspace + "/"):
+        os.close(fd)
+        raise PermissionError(f"path {path!r} leads outside the sandbox workspace (a symlink?)")
+
+
+def open_in_workspace(root: str, root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
+    """An fd for workspace-relative ``rel``, resolved as the sandbox sees it, proven inside the workspace."""
+    fd = _open_in_root(root, root_fd, posixpath.join("workspace", rel), flags, mode)
+    _check_inside(fd, os.path.join(root, "workspace"), rel)
+    return fd
+
+
+def read_workspace_file(root: str, root_fd: int, rel: str) -> bytes:
+    fd = open_in_workspace(root, root_fd, rel, os.O_RDONLY)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def _ensure_dir(root: str, root_fd: int, rel: str) -> int:
+    """An O_PATH fd of workspace directory ``rel``, creating missing parts one verified step at a time."""
+    fd = open_in_workspace(root, root_fd, ".", os.O_PATH | os.O_DIRECTORY)
+    done = "."
+    for part in [] if rel == "." else rel.split("/"):
+        nxt = posixpath.join(done, part)
+        try:
+            os.mkdir(part, 0o755, dir_fd=fd)
+        except FileExistsError:
+            pass
+        finally:
+            os.close(fd)
+        fd = open_in_workspace(root, root_fd, nxt, os.O_PATH | os.O_DIRECTORY)
+        done = nxt
+    return fd
+
+
+def write_workspace_file(root: str, root_fd: int, rel: str, content: bytes) -> None:
+    """Create or replace a workspace file (and its folders); a symlink is followed only if it stays inside."""
+    parent, name = posixpath.split(rel)
+    if rel in (".", "") or not name:
+        raise IsADirectoryError(f"{rel!r} is the workspace itself, not a file")
+    dir_fd = _ensure_dir(root, root_fd, parent or ".")
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        # The last part is a symlink: resolve it as the sandbox would, prove it stays inside, then open.
+        path_fd = open_in_workspace(root, root_fd, rel, os.O_PATH)
+        try:
+            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        finally:
+            os.close(path_fd)
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(content)

@@ -1,0 +1,384 @@
+"""One command in the local sandbox: spawn, limit, watch, kill, and say which limit ended it.
+
+Process layout (bwrap mode): ``sh`` (joins the command's pids cgroup) execs ``prlimit`` (sets the
+rlimits) execs ``bwrap`` (the outer monitor, our direct child), whose namespace init runs ``bash -c``.
+Killing the outer bwrap with SIGKILL makes the kernel kill its namespace init (``--die-with-parent``),
+and the death of a pid namespace's init SIGKILLs every process in it, whatever it did to escape
+(``setsid``, ``nohup``, ignoring SIGTERM). The same teardown happens when ``bash -c`` returns, so
+background processes never outlive their exec call. In ``isolation="none"`` mode the command's
+session/process group and its cgroup (if any) are killed instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from miles_agent.sandbox import ExecResult, SandboxError, SandboxLimits
+
+from ._local_isolation import PidsCgroup
+
+WATCH_INTERVAL_S = 0.05
+READ_CHUNK = 1 << 16
+DRAIN_GRACE_S = 1.0  # after the command ends, how long stray pipe holders may keep output open
+REAP_TIMEOUT_S = 3.0
+MEMORY_PATTERNS = ("MemoryError", "Cannot allocate memory", "cannot allocate memory", "std::bad_alloc",
+                   "out of memory", "Out of memory", "cannot allocate")
+FORK_PATTERNS = ("fork: retry: Resource temporarily unavailable", "fork: Resource temporarily unavailable",
+                 "Cannot fork")
+KILLED_EXIT = {"wall_time": 124}  # like coreutils `timeout`; every other kill reads as SIGKILL (137)
+
+
+class CappedOutput:
+    """The first and last halves of a stream, up to ``cap`` bytes in all; the middle is counted, not kept."""
+
+    def __init__(self, cap: int) -> None:
+        self.head_cap, self.tail_cap = cap // 2, cap - cap // 2
+        self.head, self.tail, self.total = bytearray(), bytearray(), 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk and self.tail_cap:
+            self.tail += chunk
+            if len(self.tail) > 2 * self.tail_cap:  # trim rarely, so a long stream costs O(n)
+                del self.tail[:-self.tail_cap]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.head_cap + self.tail_cap
+
+    def text(self) -> str:
+        tail = bytes(self.tail[-self.tail_cap:]) if self.tail_cap else b""
+        if not self.truncated:
+            return (bytes(self.head) + tail).decode("utf-8", errors="replace")
+        dropped = self.total - len(self.head) - len(tail)
+        return (self.head.decode("utf-8", errors="replace")
+                + f"\n[... {dropped} bytes of output dropped ...]\n"
+                + tail.decode("utf-8", errors="replace"))
+
+
+class _PipeReader:
+    """Reads one of the command's output pipes from the event loop into a CappedOutput.
+
+    Our own pipes, not asyncio's: asyncio's Process.wait() also waits for its pipes to close, so a
+    stray background process holding stdout would make a finished command look like it hangs.
+    """
+
+    def __init__(self, fd: int, buf: CappedOutput, on_data: Callable[[], None]) -> None:
+        self.fd: int | None = fd
+        self.buf, self.on_data = buf, on_data
+        self.loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[None] = self.loop.create_future()
+        os.set_blocking(fd, False)
+        self.loop.add_reader(fd, self._ready)
+
+    def _ready(self) -> None:
+        assert self.fd is not None
+        try:
+            chunk = os.read(self.fd, READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.close()
+            return
+        self.buf.add(chunk)
+        self.on_data()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = None
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+@dataclass
+class RunPlan:
+    """Everything one command needs; built by LocalSandbox, executed by `Execution`."""
+
+    argv_for: Callable[[int | None], list[str]]  # status fd (bwrap's --json-status-fd) -> argv
+    env: dict[str, str]
+    cwd: str
+    limits: SandboxLimits
+    wall_s: float
+    isolated: bool  # bwrap (a pid namespace) vs plain subprocess
+    cgroup: PidsCgroup | None
+    output_kill_bytes: int
+
+
+def rlimit_argv(prlimit: str, limits: SandboxLimits) -> list[str]:
+    """prlimit's arguments: CPU (SIGXCPU at the soft limit, SIGKILL a second later), memory, file size."""
+    cpu = max(1, int(limits.cpu_time_s))
+    return [prlimit, f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_bytes}",
+            f"--fsize={limits.max_file_bytes}", "--core=0", "--"]
+
+
+class Execution:
+    """Runs one `RunPlan` to an ExecResult; `kill` may be called from outside (stop)."""
+
+    def __init__(self, plan: RunPlan) -> None:
+        self.plan = plan
+        self.reason: str | None = None  # the limit (or "stopped") that made us kill it
+        self.proc: asyncio.subprocess.Process | None = None
+        self._pidfd: int | None = None  # our child (the outer bwrap, or bash in plain mode)
+        self._init_pid: int | None = None  # bwrap: the namespace init, as a host pid
+        self._init_pidfd: int | None = None
+        self._status = b""
+        self._status_fd: int | None = None
+
+    def kill(self, reason: str) -> None:
+        """Kill the whole command tree, remembering the first reason."""
+        if self.reason is None:
+            self.reason = reason
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            try:
+                if self._pidfd is not None:  # race-free: cannot hit a recycled pid
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                else:
+                    os.kill(proc.pid, signal.SIGKILL)
+                if not self.plan.isolated:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._init_pidfd is not None:  # also directly: --die-with-parent is a signal, not a guarantee
+            try:
+                signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.plan.cgroup is not None:
+            self.plan.cgroup.kill_all()
+
+    async def run(self) -> ExecResult:
+        start = time.monotonic()
+        out, err = CappedOutput(self.plan.limits.max_output_bytes), CappedOutput(self.plan.limits.max_output_bytes)
+        readers = await self._spawn(out, err)
+        proc = self.proc
+        assert proc is not None
+        watcher = asyncio.create_task(self._watch())
+        try:
+            try:
+                await asyncio.wait_for(proc.wait(), self.plan.wall_s)
+            except TimeoutError:
+                self.kill("wall_time")
+                await proc.wait()
+        finally:
+            watcher.cancel()
+            if proc.returncode is None:  # cancelled from outside: never leave it running
+                self.kill("cancelled")
+                await asyncio.shield(proc.wait())
+            await self._finish(readers)
+        return self._result(proc.returncode, out, err, time.monotonic() - start)
+
+    async def _spawn(self, out: CappedOutput, err: CappedOutput) -> list[_PipeReader]:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        status_w = None
+        if self.plan.isolated:
+            self._status_fd, status_w = os.pipe()
+            os.set_blocking(self._status_fd, False)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.plan.argv_for(status_w), stdin=asyncio.subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                env=self.plan.env, cwd=self.plan.cwd, pass_fds=() if status_w is None else (status_w,),
+                start_new_session=True)
+        except OSError as e:
+            os.close(out_r)
+            os.close(err_r)
+            self._close_status()
+            raise SandboxError(f"local sandbox: cannot start the command: {e}") from e
+        finally:  # the child has its copies; ours would keep the pipes open forever
+            for fd in (out_w, err_w, status_w):
+                if fd is not None:
+                    os.close(fd)
+        try:
+            self._pidfd = os.pidfd_open(self.proc.pid)
+        except OSError:
+            self._pidfd = None  # kernel before 5.3: `kill` falls back to os.kill
+        if self._status_fd is not None:
+            asyncio.get_running_loop().add_reader(self._status_fd, self._on_status)
+        return [_PipeReader(out_r, out, lambda: self._check_output(out)),
+                _PipeReader(err_r, err, lambda: self._check_output(err))]
+
+    def _on_status(self) -> None:
+        """bwrap's JSON status: the first line names the namespace init; hold it by pidfd at once so
+        that `_finish` can wait for the whole pid namespace to be gone."""
+        assert self._status_fd is not None
+        eof = False
+        try:
+            while chunk := os.read(self._status_fd, 65536):
+                self._status += chunk
+            eof = True
+        except BlockingIOError:
+            pass
+        except OSError:
+            eof = True
+        if eof:  # bwrap exited
+            asyncio.get_running_loop().remove_reader(self._status_fd)
+        self._parse_init()
+
+    def _parse_init(self) -> None:
+        if self._init_pid is not None:
+            return
+        for line in self._status.decode(errors="replace").splitlines():
+            try:
+                info = json.loads(line)
+            except ValueError:
+                continue
+            if "child-pid" in info:
+                self._init_pid = int(info["child-pid"])
+                self._hold_init(str(info.get("pid-namespace", "")))
+                return
+
+    def _hold_init(self, pid_ns: str) -> None:
+        """A pidfd of the namespace init, if it is still the process bwrap named (same pid namespace)."""
+        try:
+            fd = os.pidfd_open(self._init_pid)
+        except OSError:
+            return
+        try:
+            same = not pid_ns or os.readlink(f"/proc/{self._init_pid}/ns/pid") == f"pid:[{pid_ns}]"
+        except OSError:
+            same = False
+        if same:
+            self._init_pidfd = fd
+        else:
+            os.close(fd)
+
+    def _check_output(self, buf: CappedOutput) -> None:
+        if buf.total > self.plan.output_kill_bytes and self.reason is None:
+            self.kill("output")
+
+    async def _watch(self) -> None:
+        """Every WATCH_INTERVAL_S: a process limit hit ends the command (a fork bomb would spin until
+        the wall timeout otherwise)."""
+        max_procs = self.plan.limits.max_processes
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            cg = self.plan.cgroup
+            if cg is not None:
+                if cg.limit_hits() > 0:
+                    self.kill("processes")
+            elif (n := self._count_processes()) is not None and n > max_procs:
+                self.kill("processes")
+
+    def _count_processes(self) -> int | None:
+        """Processes of this command where no cgroup counts them: the sandbox's own /proc (bwrap), or
+        the command's session (plain mode)."""
+        if self.plan.isolated:
+            if self._init_pid is None:
+                return None
+            try:
+                return sum(1 for p in os.listdir(f"/proc/{self._init_pid}/root/proc") if p.isdigit())
+            except OSError:
+                return None
+        assert self.proc is not None
+        return _count_session(self.proc.pid)
+
+    async def _finish(self, readers: list[_PipeReader]) -> None:
+        """Make sure nothing of the command is left, then collect the rest of its output."""
+        try:
+            if not self.plan.isolated:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # background jobs die with their exec
+                except (ProcessLookupError, PermissionError):
+                    pass
+            await self._await_teardown()
+            await asyncio.wait([r.done for r in readers], timeout=DRAIN_GRACE_S)
+        finally:
+            for reader in readers:
+                reader.close()
+            self._close_status()
+            for fd in (self._pidfd, self._init_pidfd):
+                if fd is not None:
+                    os.close(fd)
+            self._pidfd = self._init_pidfd = None
+
+    async def _await_teardown(self) -> None:
+        """bwrap returns as soon as its command does; the kernel then kills the rest of the pid
+        namespace. Wait for that (the init's exit) and for the cgroup to be empty."""
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        if self._status_fd is not None:
+            self._on_status()
+        if self._init_pidfd is not None:
+            loop = asyncio.get_running_loop()
+            exited = loop.create_future()
+            loop.add_reader(self._init_pidfd, lambda: exited.done() or exited.set_result(None))
+            try:
+                await asyncio.wait_for(exited, REAP_TIMEOUT_S)
+            except TimeoutError:
+                pass
+            finally:
+                loop.remove_reader(self._init_pidfd)
+        cg = self.plan.cgroup
+        while cg is not None and cg.pids() and time.monotonic() < deadline:
+            cg.kill_all()
+            await asyncio.sleep(0.002)
+
+    def _close_status(self) -> None:
+        if self._status_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._status_fd)
+            os.close(self._status_fd)
+            self._status_fd = None
+
+    def _result(self, returncode: int | None, out: CappedOutput, err: CappedOutput, duration: float) -> ExecResult:
+        code = 128 - returncode if returncode is not None and returncode < 0 else (returncode or 0)
+        stderr = err.text()
+        if self.reason == "stopped":
+            raise SandboxError("local sandbox: stopped while the command was running")
+        if self.plan.isolated and self.reason is None and b'"exit-code"' not in self._status:
+            raise SandboxError(f"local sandbox: bubblewrap could not set up the sandbox (exit {code}): "
+                               f"{stderr.strip()[-500:]}")
+        limit = self.reason or _classify(code, stderr, self.plan.cgroup)
+        if self.reason is not None:
+            code = KILLED_EXIT.get(self.reason, 137)
+        return ExecResult(exit_code=code, stdout=out.text(), stderr=stderr, duration_s=duration,
+                          timed_out=self.reason == "wall_time",
+                          output_truncated=out.truncated or err.truncated, limit_hit=limit)
+
+
+def _classify(code: int, stderr: str, cgroup: PidsCgroup | None) -> str | None:
+    """Which limit a command ran into, where the evidence says so. The kernel's counter and bash's own
+    reports of a child killed by SIGXCPU/SIGXFSZ count even when the command then exited 0; the
+    weaker evidence (error messages) only when it failed."""
+    if (cgroup is not None and cgroup.limit_hits() > 0) or any(p in stderr for p in FORK_PATTERNS):
+        return "processes"
+    if code == 128 + signal.SIGXCPU or "CPU time limit exceeded" in stderr:
+        return "cpu_time"
+    if code == 128 + signal.SIGXFSZ or "File size limit exceeded" in stderr:
+        return "file_size"
+    if code == 0:
+        return None
+    if "File too large" in stderr:
+        return "file_size"
+    if any(p in stderr for p in MEMORY_PATTERNS):
+        return "memory"
+    return None
+
+
+def _count_session(sid: int) -> int:
+    """Processes whose session id is ``sid`` (field 6 of /proc/<pid>/stat)."""
+    n = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 3 and int(fields[3]) == sid:
+            n += 1
+    return n
