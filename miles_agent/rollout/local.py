@@ -47,7 +47,12 @@ _ids = itertools.count()
 
 
 class LocalEngine:
-    """In-process rollout engine with its own KV cache and continuous batching (see module docstring)."""
+    """In-process rollout engine with its own KV cache and continuous batching (see module docstring).
+
+    ``stats`` counts decode steps and decoded sequences (their ratio is ``mean_decode_batch``), prefill
+    batches / sequences / tokens, generated tokens, retractions and failed steps. ``eos_ids`` are the
+    ids that always stop a request; benchmarks that need fixed-length outputs may set it empty.
+    """
 
     #: Padded prefill batch budget (batch x longest prompt), so one admission does not allocate without bound.
     prefill_token_budget = 32768
@@ -112,8 +117,10 @@ class LocalEngine:
         try:
             return await seq.future
         except asyncio.CancelledError:
-            seq.cancelled = True  # the scheduler drops it and frees its slot at the next step boundary
-            self._wake.set()
+            seq.cancelled = True
+            if self._lock is not None and not self._lock.locked():
+                self._resolve()  # no step in flight (e.g. paused): free its slot now
+            self._wake.set()  # else the scheduler drops it at the next step boundary
             raise
 
     async def pause(self, mode: PauseMode = PauseMode.IN_PLACE) -> None:

@@ -43,9 +43,13 @@ def _filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
-    """Sample one token per row of ``logits`` ([B, V]); return token ids and their logprobs (see module doc)."""
+    """Sample one token per row of ``logits`` ([B, V]); return token ids and their logprobs (see module doc).
+
+    Stochastic rows use the exponential race (``argmax p / E`` with ``E ~ Exp(1)``, an exact sample
+    from ``p``): only the noise is drawn row by row, from each request's own generator.
+    """
     logits = logits.float()
-    batch, vocab = logits.shape
+    vocab = logits.shape[-1]
     dev = logits.device
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
     scaled = logits / temps[:, None]
@@ -54,14 +58,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     stochastic = [i for i, p in enumerate(params) if p.temperature > 0]
     if stochastic:
         idx = torch.tensor(stochastic, device=dev)
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in stochastic], device=dev)
-        # top_p = 1 must keep the whole vocabulary, even where fp32 cumsum rounds to 1 early.
-        top_p = torch.tensor([params[i].top_p if params[i].top_p < 1 else 2.0 for i in stochastic],
-                             device=dev, dtype=torch.float32)
-        filtered, order = _filter_logits(scaled[idx], top_k, top_p)
-        probs = filtered.softmax(dim=-1)
+        rows = [params[i] for i in stochastic]
+        if all(p.top_k < 0 and p.top_p >= 1 for p in rows):
+            probs, order = logp[idx].exp(), None
+        else:
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in rows], device=dev)
+            # top_p = 1 must keep the whole vocabulary, even where fp32 cumsum rounds to 1 early.
+            top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in rows], device=dev)
+            filtered, order = _filter_logits(scaled[idx], top_k, top_p)
+            probs = filtered.softmax(dim=-1)
+        noise = torch.empty_like(probs)
         for row, i in enumerate(stochastic):
-            pick = torch.multinomial(probs[row], 1, generator=generators[i])
-            tokens[i] = order[row, pick[0]]
+            noise[row].exponential_(generator=generators[i])
+        pick = (probs / noise).argmax(dim=-1)
+        tokens[idx] = pick if order is None else order.gather(1, pick[:, None])[:, 0]
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()

@@ -211,3 +211,20 @@ def test_more_requests_than_slots_queue_and_complete(make_engine):
     alone = run_all(make_engine(), ps, SamplingParams(max_new_tokens=8, temperature=0))
     assert [o.output_ids for o in outs] == [a.output_ids for a in alone]
     assert engine.mean_decode_batch <= 3
+
+
+def test_cancel_while_paused_frees_slot_at_once(make_engine):
+    engine = make_engine(max_batch_size=2)
+
+    async def main():
+        task = asyncio.create_task(engine.generate(prompts(10)[0], SamplingParams(max_new_tokens=4000)))
+        await wait_steps(engine, 2)
+        await engine.pause(PauseMode.IN_PLACE)
+        assert len(engine._free_slots) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(engine._free_slots) == 2
+        await engine.resume()
+
+    asyncio.run(main())

@@ -135,3 +135,12 @@ def test_unsupported_model_is_refused():
                       num_key_value_heads=1, vocab_size=50)
     with pytest.raises(ValueError, match="qwen3"):
         LocalEngine(LlamaForCausalLM(cfg))
+
+
+def test_sampler_draws_from_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    gen = torch.Generator().manual_seed(1)
+    toks, _ = sample(probs.log().expand(n, 4), [SamplingParams()] * n, [gen] * n)
+    freq = torch.bincount(torch.tensor(toks), minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.03), freq
