@@ -5,8 +5,14 @@ rlimits) execs ``bwrap`` (the outer monitor, our direct child), whose namespace 
 Killing the outer bwrap with SIGKILL makes the kernel kill its namespace init (``--die-with-parent``),
 and the death of a pid namespace's init SIGKILLs every process in it, whatever it did to escape
 (``setsid``, ``nohup``, ignoring SIGTERM). The same teardown happens when ``bash -c`` returns, so
-background processes never outlive their exec call. In ``isolation="none"`` mode the command's
-session/process group and its cgroup (if any) are killed instead.
+background processes never outlive their exec call. bwrap itself returns before the kernel has
+finished that teardown, so `Execution` holds the namespace init by pidfd and returns only once it
+(and with it every process of the namespace) is gone. In ``isolation="none"`` mode the command's
+process group and its cgroup (if any) are killed instead.
+
+Which limit ended a command: our own kills say so directly ("wall_time", "output", "processes");
+rlimit deaths are read from the exit status (128+SIGXCPU, 128+SIGXFSZ) and from what bash and
+Python print ("File too large", "MemoryError"); the pids cgroup counts refused forks.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ WATCH_INTERVAL_S = 0.05
 READ_CHUNK = 1 << 16
 DRAIN_GRACE_S = 1.0  # after the command ends, how long stray pipe holders may keep output open
 REAP_TIMEOUT_S = 3.0
-MEMORY_PATTERNS = ("MemoryError", "Cannot allocate memory", "cannot allocate memory", "std::bad_alloc",
-                   "out of memory", "Out of memory", "cannot allocate")
+MEMORY_PATTERNS = ("MemoryError", "Cannot allocate memory", "cannot allocate", "std::bad_alloc",
+                   "out of memory", "Out of memory")
 FORK_PATTERNS = ("fork: retry: Resource temporarily unavailable", "fork: Resource temporarily unavailable",
                  "Cannot fork")
 KILLED_EXIT = {"wall_time": 124}  # like coreutils `timeout`; every other kill reads as SIGKILL (137)

@@ -2,7 +2,9 @@
 
 Each episode gets a fresh folder ``<tmp>/miles-sandbox-XXXX/`` owned by the sandbox, holding
 ``fs/workspace`` (mounted at /workspace, the cwd), ``fs/tmp`` (/tmp) and ``fs/root`` (/root, HOME):
-private to the episode, kept across its exec calls (like one container), deleted by `stop`.
+private to the episode, kept across its exec calls (like one container: an agent's ``/tmp/notes``
+survives to its next command), deleted by `stop`. The folder is mode 0700, so nothing a command
+leaves there (a setuid file owned by root, say) is reachable by other users of the host.
 
 Every `exec` is its own ``bwrap`` (see ``_local_isolation``): no network, not even the host's
 loopback; no host home, /tmp, project or other workspaces; a fresh pid namespace that is torn down
@@ -29,7 +31,8 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from miles_agent.sandbox import ExecResult, Sandbox, SandboxError, SandboxSpec
 
@@ -48,6 +51,8 @@ log = logging.getLogger(__name__)
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CGROUP_JOIN = 'echo $$ > "$0" && exec "$@"'  # sh: join the command's cgroup, then become prlimit
 MARKER_ENV = "MILES_AGENT_SANDBOX_ID"  # plain mode only: finds escaped processes at stop
+MAX_COMMAND_BYTES = 128 << 10  # the kernel refuses a longer single argument (MAX_ARG_STRLEN)
+T = TypeVar("T")
 _warned_unisolated = False
 
 
@@ -132,9 +137,11 @@ class LocalSandbox(Sandbox):
             try:
                 userns = await probe_bwrap(bwrap, fs)
             except RuntimeError as e:
-                raise SandboxError(f"local sandbox: bubblewrap cannot create its namespaces here ({e}); "
-                                   f"{INSTALL_HINT}, or allow user namespaces "
-                                   "(sysctl kernel.unprivileged_userns_clone=1)") from None
+                raise SandboxError(f"local sandbox: bubblewrap ({bwrap}) cannot create its namespaces here: {e}. "
+                                   "Allow user namespaces (sysctl kernel.unprivileged_userns_clone=1 or "
+                                   "user.max_user_namespaces>0; in a container, a seccomp/AppArmor profile "
+                                   "that permits unshare), or construct LocalSandbox(isolation='none') to "
+                                   "run commands without isolation") from None
             self._prefix = bwrap_prefix(bwrap, fs, userns=userns, extra_ro_binds=self._extra_ro_binds)
         for path, content in spec.files.items():
             await self.write_file(path, content)
@@ -161,24 +168,27 @@ class LocalSandbox(Sandbox):
 
     async def exec(self, command: str, *, timeout_s: float | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None) -> ExecResult:
-        """Run ``bash -c command`` in the sandbox; a limit ends it, it never ends the sandbox."""
+        """Run ``bash -c command`` in the sandbox; a limit ends the command, never the sandbox."""
         self._require_started()
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if len(command.encode(errors="surrogateescape")) >= MAX_COMMAND_BYTES:
+            # What a shell reports for an over-long command line: the agent's error, not the sandbox's.
+            return ExecResult(exit_code=126, stdout="", duration_s=0.0, stderr=(
+                f"local sandbox: the command is {len(command)} characters; one command line may be at most "
+                f"{MAX_COMMAND_BYTES - 1} bytes (Linux MAX_ARG_STRLEN); write a script file and run it instead\n"))
         limits = self._spec.limits
+        inner, command_env = self._inner_argv(command, cwd), self._command_env(env)
         self._exec_count += 1
         cgroup = None
         if self._use_cgroups:  # +2: the outer bwrap and its namespace init live in it too
             cgroup = create_pids_cgroup(f"miles-agent-{self.id}-{self._exec_count}", limits.max_processes + 2)
-        inner = self._inner_argv(command, cwd)
         head = ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file] if cgroup else []
         head += rlimit_argv(self._prlimit, limits)
-        isolated = self.isolation == "bwrap"
         plan = RunPlan(
-            argv_for=lambda fd: head + (self._prefix + ["--json-status-fd", str(fd), "--"] if isolated else [])
-            + inner,
-            env=self._command_env(env), cwd=self._host_path("workspace"), limits=limits,
-            wall_s=timeout_s if timeout_s is not None else limits.wall_time_s, isolated=isolated,
+            argv_for=lambda status_fd: head + self._bwrap_argv(status_fd) + inner,
+            env=command_env, cwd=self._host_path("workspace"), limits=limits,
+            wall_s=timeout_s if timeout_s is not None else limits.wall_time_s, isolated=self.isolation == "bwrap",
             cgroup=cgroup, output_kill_bytes=self._output_kill_bytes or max(16 * limits.max_output_bytes, 1 << 20))
         execution = Execution(plan)
         self._running.add(execution)
@@ -188,6 +198,11 @@ class LocalSandbox(Sandbox):
             self._running.discard(execution)
             if cgroup is not None and not cgroup.remove():
                 log.warning("local sandbox: could not remove cgroup %s", cgroup.path)
+
+    def _bwrap_argv(self, status_fd: int | None) -> list[str]:
+        if self.isolation != "bwrap":
+            return []
+        return [*self._prefix, "--json-status-fd", str(status_fd), "--"]
 
     def _inner_argv(self, command: str, cwd: str | None) -> list[str]:
         """``bash -c command``, first changing to ``cwd`` (relative to the workspace) when given."""
@@ -233,7 +248,7 @@ class LocalSandbox(Sandbox):
         inside = INSIDE_WORKSPACE if self.isolation == "bwrap" else self._host_path("workspace")
         return paths.workspace_relative(path, inside)
 
-    def _guard_io(self, fn, *args):  # noqa: ANN001, ANN202 - a thin wrapper
+    def _guard_io(self, fn: Callable[..., T], *args: object) -> T:
         """Caller errors (missing file, path escapes) pass through; other OS failures are the sandbox's."""
         assert self.root is not None and self._fs_fd is not None
         try:

@@ -116,6 +116,16 @@ def test_output_keeps_head_and_tail_and_marks_the_cut():
     run(main())
 
 
+def test_over_long_command_is_the_agents_error_not_the_sandboxes():
+    async def main():
+        async with await _started("none") as sb:
+            r = await sb.exec("echo " + "x" * 200_000)
+            assert r.exit_code == 126 and "script file" in r.stderr
+            r = await sb.exec(": " + "y" * 100_000 + "; echo fits")
+            assert r.stdout == "fits\n"
+    run(main())
+
+
 def test_container_image_is_refused_with_advice():
     with pytest.raises(SandboxError, match="cannot run container images.*docker"):
         run(LocalSandbox().start(SandboxSpec(image="python:3.12")))
