@@ -155,6 +155,7 @@ def test_checkpoint_round_trip_restores_exactly(tmp_path: Path) -> None:
     saved_w, saved_opt, saved_rand = weights(trainer), _optimizer_state(trainer), torch.rand(3)
     assert saved_opt and len(saved_opt) == 3 * len(list(trainer.model.parameters()))
     trainer.train_step(batch)
+    next_w = weights(trainer)
     trainer.train_step(batch)
     assert not torch.equal(weights(trainer)["lm_head.weight"], saved_w["lm_head.weight"])
     trainer.load_checkpoint(path)
@@ -164,7 +165,9 @@ def test_checkpoint_round_trip_restores_exactly(tmp_path: Path) -> None:
     for a, b in zip(_optimizer_state(trainer), saved_opt, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(torch.rand(3), saved_rand)
-    # the restored trainer continues exactly like the original did
+    trainer.train_step(batch)  # and it continues exactly as it did the first time
+    for k, v in weights(trainer).items():
+        assert torch.equal(v, next_w[k]), k
     with pytest.raises(UserError, match="not a trainer checkpoint"):
         trainer.load_checkpoint(tmp_path / "nowhere")
 
@@ -176,3 +179,11 @@ def test_sft_loss_decreases_on_a_fixed_batch() -> None:
     losses = [trainer.train_step(batch)["loss"] for _ in range(5)]
     assert losses[-1] < losses[0] - 0.1
     assert all(b < a for a, b in zip(losses, losses[1:]))
+
+
+def test_old_logprobs_from_a_forward_when_rollout_logprobs_are_off() -> None:
+    trainer = make_trainer(use_rollout_logprobs=False, clip_eps=0.01)
+    trajs = make_trajectories()  # rollout logprobs are a fake -1.0: far from the policy's
+    metrics = trainer.train_step(constant_advantages(trajs, [1.0, -1.0, 1.0, -1.0]))
+    assert metrics["clipfrac"] == 0.0 and abs(metrics["approx_kl"]) < 1e-6  # old == current policy
+    assert metrics["logprob_mismatch_mean"] > 1.0  # the mismatch is still measured against the rollout
