@@ -8,10 +8,14 @@ read-write: /workspace, /tmp and /root (HOME). The host's /root, /home, /tmp and
 simply absent. The network namespace has only its own loopback, so a service on the host's
 127.0.0.1 is unreachable.
 
-RLIMIT_NPROC cannot stop a fork bomb here: the kernel exempts host uid 0 (a sandbox of root is uid 0
-mapped to host root, without capabilities), and for other users it counts every process of that uid
-on the host. A pids cgroup (v1, or v2 where ``pids`` is delegated to our cgroup) is a hard
-per-command limit; where none is writable the runner counts the sandbox's processes and kills it.
+What stops a fork bomb, in order: (1) a pids cgroup per command (v1, or v2 where ``pids`` is
+delegated to our cgroup): a hard kernel limit whose refusals are counted, after which the command is
+killed at once -- used whenever writable (here: root, cgroup v1). (2) RLIMIT_NPROC, set inside the
+user namespace, where the kernel counts it per namespace, i.e. per sandbox: it binds when the host
+user is not root, but host uid 0 is exempt from it (a root-run sandbox is uid 0 mapped to host root,
+without capabilities). (3) A watchdog that counts the namespace's processes every 50 ms and kills it
+past the limit -- the only guard for root without a writable cgroup, and a weak one: a fork bomb
+can reach thousands of processes before the watchdog (itself competing for CPU) fires.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """One command in the local sandbox: spawn, limit, watch, kill, and say which limit ended it.
 
-Process layout (bwrap mode): ``sh`` (joins the command's pids cgroup) execs ``prlimit`` (sets the
-rlimits) execs ``bwrap`` (the outer monitor, our direct child), whose namespace init runs ``bash -c``.
+Process layout (bwrap mode): ``sh`` (joins the command's pids cgroup) execs ``bwrap`` (the outer
+monitor, our direct child), whose namespace init runs ``prlimit`` (sets the rlimits) which execs
+``bash -c``. Plain mode: ``sh`` (cgroup) execs ``prlimit`` execs ``bash -c``.
 Killing the outer bwrap with SIGKILL makes the kernel kill its namespace init (``--die-with-parent``),
 and the death of a pid namespace's init SIGKILLs every process in it, whatever it did to escape
 (``setsid``, ``nohup``, ignoring SIGTERM). The same teardown happens when ``bash -c`` returns, so
@@ -124,11 +125,17 @@ class RunPlan:
     output_kill_bytes: int
 
 
-def rlimit_argv(prlimit: str, limits: SandboxLimits) -> list[str]:
-    """prlimit's arguments: CPU (SIGXCPU at the soft limit, SIGKILL a second later), memory, file size."""
+def rlimit_argv(prlimit: str, limits: SandboxLimits, *, nproc: bool) -> list[str]:
+    """prlimit's arguments: CPU (SIGXCPU at the soft limit, SIGKILL a second later), memory, file size,
+    and with ``nproc`` the process count. Only inside a user namespace is RLIMIT_NPROC counted per
+    sandbox (the kernel keys the count by user namespace); outside it would count every process of
+    the host user, so plain mode leaves it unset. Host root is exempt from it either way."""
     cpu = max(1, int(limits.cpu_time_s))
-    return [prlimit, f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_bytes}",
-            f"--fsize={limits.max_file_bytes}", "--core=0", "--"]
+    argv = [prlimit, f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_bytes}",
+            f"--fsize={limits.max_file_bytes}", "--core=0"]
+    if nproc:  # +1: the namespace init (bwrap) runs as the same user in the same namespace
+        argv.append(f"--nproc={limits.max_processes + 1}")
+    return [*argv, "--"]
 
 
 class Execution:

@@ -49,7 +49,7 @@ from ._local_run import Execution, RunPlan, rlimit_argv
 log = logging.getLogger(__name__)
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-CGROUP_JOIN = 'echo $$ > "$0" && exec "$@"'  # sh: join the command's cgroup, then become prlimit
+CGROUP_JOIN = 'echo $$ > "$0" && exec "$@"'  # sh: join the command's cgroup, then become bwrap/prlimit
 MARKER_ENV = "MILES_AGENT_SANDBOX_ID"  # plain mode only: finds escaped processes at stop
 MAX_COMMAND_BYTES = 128 << 10  # the kernel refuses a longer single argument (MAX_ARG_STRLEN)
 T = TypeVar("T")
@@ -184,11 +184,12 @@ class LocalSandbox(Sandbox):
         if self._use_cgroups:  # +2: the outer bwrap and its namespace init live in it too
             cgroup = create_pids_cgroup(f"miles-agent-{self.id}-{self._exec_count}", limits.max_processes + 2)
         head = ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file] if cgroup else []
-        head += rlimit_argv(self._prlimit, limits)
+        isolated = self.isolation == "bwrap"
+        inner = rlimit_argv(self._prlimit, limits, nproc=isolated) + inner
         plan = RunPlan(
             argv_for=lambda status_fd: head + self._bwrap_argv(status_fd) + inner,
             env=command_env, cwd=self._host_path("workspace"), limits=limits,
-            wall_s=timeout_s if timeout_s is not None else limits.wall_time_s, isolated=self.isolation == "bwrap",
+            wall_s=timeout_s if timeout_s is not None else limits.wall_time_s, isolated=isolated,
             cgroup=cgroup, output_kill_bytes=self._output_kill_bytes or max(16 * limits.max_output_bytes, 1 << 20))
         execution = Execution(plan)
         self._running.add(execution)
