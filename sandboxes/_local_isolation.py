@@ -24,6 +24,7 @@ import asyncio
 import atexit
 import glob
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -102,15 +103,25 @@ def _system_mounts(extra_ro_binds: tuple[str, ...]) -> list[str]:
     return args
 
 
-def bwrap_prefix(bwrap: str, fs_dir: str, *, userns: bool,
-                 extra_ro_binds: tuple[str, ...] = ()) -> list[str]:
+@dataclass(frozen=True)
+class Bwrap:
+    """A bwrap binary as probed here: whether it makes a user namespace, and the options it knows
+    (--disable-userns is 0.8+, so older ones run without it)."""
+
+    path: str
+    userns: bool = True
+    options: frozenset[str] = frozenset()
+
+
+def bwrap_prefix(bwrap: Bwrap, fs_dir: str, extra_ro_binds: tuple[str, ...] = ()) -> list[str]:
     """The per-sandbox part of the bwrap command line (everything but the status fd and the command)."""
-    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+    args = [bwrap.path, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--hostname", "sandbox"]
-    if userns:  # an explicit user namespace, and none nested inside (less kernel attack surface)
-        args += ["--unshare-user", "--disable-userns"]
+    if bwrap.userns:  # an explicit user namespace, and none nested inside (less kernel attack surface)
+        args += ["--unshare-user"] + (["--disable-userns"] if "--disable-userns" in bwrap.options else [])
     args += _system_mounts(extra_ro_binds) + ["--ro-bind", staged_etc(), "/etc"]
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += (["--size", str(SHM_BYTES)] if "--size" in bwrap.options else []) + ["--tmpfs", "/dev/shm"]
     args += ["--bind", os.path.join(fs_dir, "workspace"), INSIDE_WORKSPACE,
              "--bind", os.path.join(fs_dir, "tmp"), "/tmp",
              "--bind", os.path.join(fs_dir, "root"), "/root",
@@ -118,28 +129,39 @@ def bwrap_prefix(bwrap: str, fs_dir: str, *, userns: bool,
     return args
 
 
-_probe_cache: dict[str, bool] = {}  # bwrap path -> whether a user namespace can be created
+_probe_cache: dict[str, Bwrap] = {}
 
 
-async def probe_bwrap(bwrap: str, fs_dir: str) -> bool:
-    """Check once per bwrap binary that it can build our sandbox; returns whether userns is used.
+class BwrapTooOld(RuntimeError):
+    """This bubblewrap cannot report its command's status (--json-status-fd arrived in 0.5)."""
 
-    Tries the full set of namespaces first and then without the user namespace (root on a kernel
-    without user namespaces). Raises RuntimeError with bwrap's own message when neither works.
-    """
-    if bwrap in _probe_cache:
-        return _probe_cache[bwrap]
+
+async def _run(argv: list[str]) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"})
+    out, _ = await proc.communicate()
+    return proc.returncode or 0, out.decode(errors="replace").strip()
+
+
+async def probe_bwrap(path: str, fs_dir: str) -> Bwrap:
+    """Check once per bwrap binary that it can build our sandbox, with a user namespace if possible
+    (without one only where bwrap runs as root on a kernel that has none). RuntimeError with bwrap's
+    own words when it cannot, or when it is too old to report its command's status (< 0.5)."""
+    if path in _probe_cache:
+        return _probe_cache[path]
+    _, usage = await _run([path, "--help"])
+    options = frozenset(re.findall(r"--[a-z][a-z0-9-]*", usage))
+    if "--json-status-fd" not in options:
+        raise BwrapTooOld(f"{path} is too old (no --json-status-fd; bubblewrap 0.5 or newer is needed)")
     errors = []
     for userns in (True, False):
-        argv = bwrap_prefix(bwrap, fs_dir, userns=userns) + ["--", "/bin/sh", "-c", "exit 0"]
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, env={"PATH": "/usr/bin:/bin"})
-        _, err = await proc.communicate()
-        if proc.returncode == 0:
-            _probe_cache[bwrap] = userns
-            return userns
-        errors.append(err.decode(errors="replace").strip() or f"exit {proc.returncode}")
+        bwrap = Bwrap(path, userns, options)
+        code, out = await _run(bwrap_prefix(bwrap, fs_dir) + ["--", "/bin/sh", "-c", "exit 0"])
+        if code == 0:
+            _probe_cache[path] = bwrap
+            return bwrap
+        errors.append(out or f"exit {code}")
     raise RuntimeError("; ".join(dict.fromkeys(errors)))
 
 

@@ -40,6 +40,7 @@ from . import _local_paths as paths
 from ._local_isolation import (
     INSIDE_WORKSPACE,
     INSTALL_HINT,
+    BwrapTooOld,
     bwrap_prefix,
     create_pids_cgroup,
     probe_bwrap,
@@ -135,14 +136,16 @@ class LocalSandbox(Sandbox):
         self._spec = spec
         if bwrap is not None:
             try:
-                userns = await probe_bwrap(bwrap, fs)
+                probed = await probe_bwrap(bwrap, fs)
             except RuntimeError as e:
-                raise SandboxError(f"local sandbox: bubblewrap ({bwrap}) cannot create its namespaces here: {e}. "
-                                   "Allow user namespaces (sysctl kernel.unprivileged_userns_clone=1 or "
-                                   "user.max_user_namespaces>0; in a container, a seccomp/AppArmor profile "
-                                   "that permits unshare), or construct LocalSandbox(isolation='none') to "
-                                   "run commands without isolation") from None
-            self._prefix = bwrap_prefix(bwrap, fs, userns=userns, extra_ro_binds=self._extra_ro_binds)
+                advice = ("install a newer bubblewrap" if isinstance(e, BwrapTooOld) else
+                          "it needs user namespaces (sysctl kernel.unprivileged_userns_clone=1 or "
+                          "user.max_user_namespaces>0; in a container, a seccomp/AppArmor profile that "
+                          "permits unshare)")
+                raise SandboxError(f"local sandbox: bubblewrap ({bwrap}) does not work here: {e}. Fix: {advice}; "
+                                   "or construct LocalSandbox(isolation='none') to run commands without "
+                                   "isolation") from None
+            self._prefix = bwrap_prefix(probed, fs, self._extra_ro_binds)
         for path, content in spec.files.items():
             await self.write_file(path, content)
 

@@ -139,12 +139,17 @@ def test_missing_bubblewrap_is_refused_with_the_package_name(tmp_path, monkeypat
         run(LocalSandbox().start(SandboxSpec()))
 
 
-def test_bubblewrap_that_cannot_make_namespaces_is_refused(tmp_path):
+@pytest.mark.parametrize("usage, error", [
+    ("--unshare-all --json-status-fd FD", "does not work here.*No permissions.*user namespaces"),
+    ("--unshare-all --info-fd FD", "too old.*0.5 or newer.*install a newer bubblewrap"),
+])
+def test_bubblewrap_that_cannot_work_here_is_refused(tmp_path, usage, error):
     fake = tmp_path / "bwrap"
-    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = --help ]; then echo '{usage}'; exit 0; fi\n"
+                    "echo 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     sandbox = LocalSandbox(bwrap_path=str(fake))
-    with pytest.raises(SandboxError, match="cannot create its namespaces.*No permissions"):
+    with pytest.raises(SandboxError, match=error):
         run(sandbox.start(SandboxSpec()))
     assert sandbox.root is None  # nothing left behind by the failed start
 
