@@ -15,6 +15,7 @@ import ctypes
 import errno
 import os
 import posixpath
+import stat
 
 _SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall table unification)
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -99,8 +100,19 @@ def open_in_workspace(root: str, root_fd: int, rel: str, flags: int, mode: int =
     return fd
 
 
+def _require_regular(fd: int, rel: str) -> None:
+    """A FIFO left by the sandbox would block our reader thread forever; only plain files are served."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(f"{rel!r} is a directory")
+        raise PermissionError(f"{rel!r} is not a regular file")
+
+
 def read_workspace_file(root: str, root_fd: int, rel: str) -> bytes:
-    fd = open_in_workspace(root, root_fd, rel, os.O_RDONLY)
+    fd = open_in_workspace(root, root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
+    _require_regular(fd, rel)
     try:
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read()
@@ -125,25 +137,37 @@ def _ensure_dir(root: str, root_fd: int, rel: str) -> int:
     return fd
 
 
+def _open_for_write(path: str, flags: int, rel: str, dir_fd: int | None = None) -> int:
+    try:
+        return os.open(path, flags, 0o644, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise PermissionError(f"{rel!r} is not a regular file") from None
+        raise
+
+
 def write_workspace_file(root: str, root_fd: int, rel: str, content: bytes) -> None:
     """Create or replace a workspace file (and its folders); a symlink is followed only if it stays inside."""
     parent, name = posixpath.split(rel)
     if rel in (".", "") or not name:
         raise IsADirectoryError(f"{rel!r} is the workspace itself, not a file")
     dir_fd = _ensure_dir(root, root_fd, parent or ".")
+    flags = os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC  # O_TRUNC only once it is known to be a file
     try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                     dir_fd=dir_fd)
+        fd = _open_for_write(name, flags | os.O_CREAT | os.O_NOFOLLOW, rel, dir_fd)
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
         # The last part is a symlink: resolve it as the sandbox would, prove it stays inside, then open.
         path_fd = open_in_workspace(root, root_fd, rel, os.O_PATH)
         try:
-            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+            fd = _open_for_write(f"/proc/self/fd/{path_fd}", flags, rel)
         finally:
             os.close(path_fd)
     finally:
         os.close(dir_fd)
+    _require_regular(fd, rel)
+    os.set_blocking(fd, True)
+    os.ftruncate(fd, 0)
     with os.fdopen(fd, "wb") as f:
         f.write(content)

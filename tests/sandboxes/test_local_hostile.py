@@ -90,6 +90,12 @@ def test_file_api_refuses_paths_and_symlinks_leading_out(host_secrets):
                     await sb.write_file(link, b"pwned")
             with pytest.raises((PermissionError, FileNotFoundError)):
                 await sb.write_file(f"dir/new-{uuid.uuid4().hex[:6]}", b"pwned")
+            await sb.exec("mkfifo pipe; ln -s pipe pipelink; mkdir adir")
+            for path in ("pipe", "pipelink", "adir"):  # a FIFO would hang the reading thread forever
+                with pytest.raises((PermissionError, IsADirectoryError)):
+                    await asyncio.wait_for(sb.read_file(path), 5)
+                with pytest.raises((PermissionError, IsADirectoryError)):
+                    await asyncio.wait_for(sb.write_file(path, b"x"), 5)
             assert await sb.read_file("inside") == b"fine"  # a symlink that stays inside is fine
             await sb.write_file("inside", "через symlink".encode())
             assert await sb.read_file("ok.txt") == "через symlink".encode()
