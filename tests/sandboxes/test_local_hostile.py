@@ -69,9 +69,13 @@ def test_writes_never_land_on_the_host():
 
 
 @needs_bwrap
-def test_file_api_refuses_paths_and_symlinks_leading_out(host_secrets):
+@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "realpath-fallback"])
+def test_file_api_refuses_paths_and_symlinks_leading_out(host_secrets, openat2, monkeypatch):
     value, files = host_secrets
     home_secret = files[1]
+    if not openat2:  # what kernels before 5.6 get
+        from miles_agent.sandboxes import _local_paths
+        monkeypatch.setattr(_local_paths, "_have_openat2", False)
 
     async def main():
         async with LocalSandbox() as sb:
