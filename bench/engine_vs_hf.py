@@ -110,10 +110,14 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="runs of the engine and the batched baseline; best kept")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads for all three (default 1: with 2+ threads on shared cores, "
+                         "OpenMP barriers made HF generate 5-15x slower from run to run)")
     ap.add_argument("--quick", action="store_true", help="8 episodes, 1 turn, 16 new tokens, 1 run")
     a = ap.parse_args()
     if a.quick:
         a.episodes, a.seq_episodes, a.turns, a.new, a.repeat = 8, 4, 1, 16, 1
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model, tok = build_tiny(a.arch)
     model = model.to(a.device)
