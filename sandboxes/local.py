@@ -159,13 +159,13 @@ class LocalSandbox(Sandbox):
         while self._running and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         if self.isolation == "none":
-            await asyncio.to_thread(_kill_marked, self.id)
+            await _off_loop(_kill_marked, self.id)
         if self._fs_fd is not None:
             os.close(self._fs_fd)
             self._fs_fd = None
         if self.root is not None:
             root, self.root = self.root, None
-            await asyncio.to_thread(_remove_tree, root)
+            await _off_loop(_remove_tree, root)
 
     # -- commands ------------------------------------------------------------------------------
 
@@ -272,6 +272,15 @@ class LocalSandbox(Sandbox):
     def _host_path(self, sub: str) -> str:
         assert self.root is not None
         return os.path.join(self.root, "fs", sub)
+
+
+async def _off_loop(fn: Callable[[str], None], arg: str) -> None:
+    """Cleanup in a worker thread; inline when no thread can be started (a host out of pids must
+    still get its sandboxes cleaned up)."""
+    try:
+        await asyncio.to_thread(fn, arg)
+    except RuntimeError:
+        fn(arg)
 
 
 def _kill_marked(sandbox_id: str) -> None:
