@@ -23,3 +23,15 @@ def make_engine(tiny_models):
         return LocalEngine(copy.deepcopy(model), tok, **kw)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on shared cores OpenMP barriers made HF
+    ``generate`` (the reference) 5-15x slower from run to run; restored after each test."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
