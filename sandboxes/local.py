@@ -112,7 +112,8 @@ class LocalSandbox(Sandbox):
             if not bwrap or not os.access(bwrap, os.X_OK):
                 where = f"at {self._bwrap_path}" if self._bwrap_path else "on PATH"
                 raise SandboxError(f"local sandbox: bubblewrap (bwrap) not found {where}; {INSTALL_HINT}")
-        self._prlimit = shutil.which("prlimit") or shutil.which("prlimit", path=SYSTEM_PATH) or ""
+        # The system copy first: in bwrap mode prlimit runs inside, where only /usr and /bin exist.
+        self._prlimit = shutil.which("prlimit", path=SYSTEM_PATH) or shutil.which("prlimit") or ""
         self._bash = shutil.which("bash", path="/usr/bin:/bin") or ""
         if not self._prlimit:
             raise SandboxError("local sandbox: `prlimit` not found; install util-linux")
