@@ -48,6 +48,10 @@ class RolloutConfig:
 class TrainConfig:
     backend: str = "fsdp2"
     lr: float = 1e-4
+    lr_schedule: str = "constant"  # constant | cosine | linear (after warm-up)
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0  # optimizer steps until the decay reaches min_lr_ratio * lr
+    min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0

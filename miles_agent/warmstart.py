@@ -46,7 +46,7 @@ def ensure_warm_start(env: Environment, arch: str) -> Path:
     return out
 
 
-def build_warm_start(env: Environment, arch: str, out: Path, *, episodes: int = 2048, epochs: int = 6,
+def build_warm_start(env: Environment, arch: str, out: Path, *, episodes: int = 4096, epochs: int = 5,
                      batch_size: int = 64, lr: float = 3e-3, seed: int = 0,
                      progress: bool = True) -> dict[str, float]:
     """SFT a fresh tiny model on the environment's demonstrator; returns the final SFT metrics."""
@@ -66,11 +66,12 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, episodes: int = 
     tasks = env.tasks("train")[:episodes]
     trajs = asyncio.run(collect(EpisodeRunner(env, harness), tasks, 1, env.demonstrator(tokenizer),
                                 concurrency=256))
-    trainer = FSDP2Trainer(model, tokenizer, TrainConfig(lr=lr, grad_clip=1.0, micro_batch_tokens=16384),
-                           AlgoConfig(loss="sft"))
+    total = epochs * ((len(trajs) + batch_size - 1) // batch_size)
+    schedule = TrainConfig(lr=lr, lr_schedule="cosine", lr_warmup_steps=10, lr_decay_steps=total,
+                           min_lr_ratio=0.05, grad_clip=1.0, micro_batch_tokens=16384)
+    trainer = FSDP2Trainer(model, tokenizer, schedule, AlgoConfig(loss="sft"))
     rng = random.Random(seed)
     metrics: dict[str, float] = {}
-    total = epochs * (len(trajs) + batch_size - 1) // batch_size
     bar = _bar(total, progress)
     for epoch in range(epochs):
         rng.shuffle(trajs)

@@ -35,6 +35,7 @@ from miles_agent.errors import UserError
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers import checkpoint as ckpt
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
+from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.types import Trajectory
 
 
@@ -106,6 +107,7 @@ class FSDP2Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
                                            weight_decay=train.weight_decay)
         self._loss_opts = loss_options(algo)
+        lr_at(train, 0)  # a bad schedule fails here, not at the first step
 
     # -- forward ------------------------------------------------------------------------------------
     def _logp(self, model: nn.Module, mb: MicroBatch, entropy: bool = False,
@@ -194,6 +196,8 @@ class FSDP2Trainer:
             total = total.full_tensor()
         grad_norm = float(total)
         if math.isfinite(grad_norm):
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(self.train_cfg, self.step)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -26,7 +26,7 @@ CALC_TOOL = {
     "type": "function",
     "function": {
         "name": "calc",
-        "description": "Evaluate integer arithmetic (+ - *).",
+        "description": "+-* calculator",
         "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
     },
 }

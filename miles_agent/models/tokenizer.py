@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}{{ nl }}{% endif %}"
     "# Tools"
     "{% for tool in tools %}{{ nl }}{{ tool | tojson }}{% endfor %}{{ nl }}"
-    "Call a tool with <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|im_end|>{{ nl }}"
+    "Call: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>{{ nl }}"
     "{% elif messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>{{ nl }}"
     "{% endif %}"
