@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
         k = sub.add_parser(kind, help=f"list installed {kind}")
         k.add_argument("action", choices=["list"])
 
+    s = sub.add_parser("sandbox", help="run a command in a sandbox by hand (miles-agent sandbox exec -- CMD)")
+    s.add_argument("action", choices=["exec"])
+    s.add_argument("--backend", default="local", help="sandbox backend (see `miles-agent sandboxes list`)")
+    s.add_argument("--timeout", type=float, default=30.0, help="wall-time limit in seconds")
+    s.add_argument("--unisolated", action="store_true", help="local backend only: run without bubblewrap")
+    s.set_defaults(cmd=[])  # everything after `--` (split off in main, so options stay options)
+
     w = sub.add_parser("warmstart", help="build (or rebuild) an environment's SFT warm start")
     w.add_argument("--env", required=True)
     w.add_argument("--arch", default="tiny-qwen3")
@@ -107,6 +114,40 @@ def cmd_list(kind: str) -> int:
     return 0
 
 
+def cmd_sandbox_exec(args: argparse.Namespace) -> int:
+    import shlex
+
+    from miles_agent.registry import load
+    from miles_agent.sandbox import SandboxError, SandboxLimits, SandboxSpec
+
+    argv = args.cmd
+    if not argv:
+        raise UserError("no command given; usage: miles-agent sandbox exec [--backend NAME] -- CMD ...")
+    cls = load("sandboxes", args.backend)
+    sandbox = cls(isolation="none") if args.unisolated else cls()
+    command = argv[0] if len(argv) == 1 else shlex.join(argv)
+
+    async def run():  # noqa: ANN202
+        try:
+            await sandbox.start(SandboxSpec(limits=SandboxLimits(wall_time_s=args.timeout)))
+            return await sandbox.exec(command)
+        finally:
+            await sandbox.stop()
+
+    try:
+        result = asyncio.run(run())
+    except SandboxError as e:
+        raise UserError(f"sandbox {args.backend!r} failed: {e}") from None
+    print("--- stdout ---")
+    print(result.stdout, end="" if result.stdout.endswith("\n") or not result.stdout else "\n")
+    print("--- stderr ---")
+    print(result.stderr, end="" if result.stderr.endswith("\n") or not result.stderr else "\n")
+    print(f"--- exit code {result.exit_code} in {result.duration_s:.3f}s"
+          + (f"; limit hit: {result.limit_hit}" if result.limit_hit else "")
+          + ("; output truncated" if result.output_truncated else ""))
+    return 0
+
+
 def cmd_warmstart(args: argparse.Namespace) -> int:
     from miles_agent.config import load_config
     from miles_agent.loop import build_env
@@ -121,12 +162,21 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command_after_dashes = None
+    if argv[:1] == ["sandbox"] and "--" in argv:
+        cut = argv.index("--")
+        argv, command_after_dashes = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    if command_after_dashes is not None:
+        args.cmd = command_after_dashes
     try:
         if args.command == "train":
             return cmd_train(args)
         if args.command == "eval":
             return cmd_eval(args)
+        if args.command == "sandbox":
+            return cmd_sandbox_exec(args)
         if args.command == "warmstart":
             return cmd_warmstart(args)
         return cmd_list(args.command)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from miles_agent.config import Config
 from miles_agent.environment import Environment
 from miles_agent.models.builder import build_tiny, load_hf
+
+log = logging.getLogger(__name__)
 
 
 def load_policy(cfg: Config, env: Environment) -> tuple[Any, Any]:
@@ -14,10 +17,14 @@ def load_policy(cfg: Config, env: Environment) -> tuple[Any, Any]:
     m = cfg.model
     if m.hf_checkpoint:
         model, tokenizer = load_hf(m.hf_checkpoint, m.dtype)
-    elif m.warm_start == "builtin":
+    elif m.warm_start == "builtin" and hasattr(env, "demonstrator"):
         from miles_agent.warmstart import ensure_warm_start
 
         model, tokenizer = load_hf(ensure_warm_start(env, m.arch), m.dtype)
+    elif m.warm_start == "builtin":
+        log.warning("environment %r ships no warm start: starting from a randomly initialised %s "
+                    "(pass --hf-checkpoint DIR to start from a trained model)", env.name, m.arch)
+        model, tokenizer = build_tiny(m.arch, seed=cfg.run.seed, dtype=m.dtype)
     elif m.warm_start:
         model, tokenizer = load_hf(m.warm_start, m.dtype)
     else:
