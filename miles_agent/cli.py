@@ -76,11 +76,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from miles_agent.progress import Progress
 
     cfg = _config(args)
-    progress = Progress(cfg.run.steps, enabled=cfg.run.progress and not args.no_progress)
-    try:
-        records = train(cfg, resume=args.resume, progress=progress)
-    finally:
-        progress.close()
+    enabled = cfg.run.progress and not args.no_progress
+    records = train(cfg, resume=args.resume,
+                    progress=lambda run: Progress(cfg.run.steps, start=run.step, enabled=enabled))
     if records:
         first = [r["reward_mean"] for r in records[:5]]
         last = [r["reward_mean"] for r in records[-5:]]

@@ -16,6 +16,7 @@ import copy
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,14 +211,18 @@ class Run:
         self.metrics.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
-def train(cfg: Config, resume: bool = False, progress: Any = None) -> list[dict[str, Any]]:
-    """Build a run and train it; returns the per-step metric records."""
+def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
+    """Build a run and train it; returns the per-step metric records. ``progress(run)`` makes the live
+    view once the run is built (so bad input fails before any bar is drawn)."""
     run = Run(cfg, resume=resume)
+    view = progress(run) if progress else None
 
     async def main() -> list[dict[str, Any]]:
         try:
-            return await run.train(progress)
+            return await run.train(view)
         finally:
             await run.engine.shutdown()
+            if view is not None:
+                view.close()
 
     return asyncio.run(main())
