@@ -47,7 +47,7 @@ def ensure_warm_start(env: Environment, arch: str) -> Path:
 
 
 def build_warm_start(env: Environment, arch: str, out: Path, *, episodes: int = 4096, epochs: int = 5,
-                     batch_size: int = 64, lr: float = 3e-3, seed: int = 0,
+                     batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
                      progress: bool = True) -> dict[str, float]:
     """SFT a fresh tiny model on the environment's demonstrator; returns the final SFT metrics."""
     import torch
@@ -67,7 +67,7 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, episodes: int = 
     trajs = asyncio.run(collect(EpisodeRunner(env, harness), tasks, 1, env.demonstrator(tokenizer),
                                 concurrency=256))
     total = epochs * ((len(trajs) + batch_size - 1) // batch_size)
-    schedule = TrainConfig(lr=lr, lr_schedule="cosine", lr_warmup_steps=10, lr_decay_steps=total,
+    schedule = TrainConfig(lr=lr, lr_schedule="cosine", lr_warmup_steps=20, lr_decay_steps=total,
                            min_lr_ratio=0.05, grad_clip=1.0, micro_batch_tokens=16384)
     trainer = FSDP2Trainer(model, tokenizer, schedule, AlgoConfig(loss="sft"))
     rng = random.Random(seed)

@@ -12,12 +12,12 @@ import re
 import zlib
 from typing import Any
 
-from miles_agent.envs.arith_tools.env import evaluate
+from miles_agent.envs.arith_tools.env import evaluate, format_result
 
 from miles_agent.engine import Completion, FinishReason, SamplingParams
 
 _QUESTION = re.compile(r"What is ([0-9+\-*()]+)\?")
-_RESULT = re.compile(r"<tool_response>(-?\d+)</tool_response>")
+_RESULT = re.compile(r"<tool_response>([+-]?\d+)</tool_response>")
 
 
 class ArithDemonstrator:
@@ -42,7 +42,7 @@ class ArithDemonstrator:
             else:
                 true = evaluate(expr)
                 guess = true + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(true) // 10 + 1))
-                reply = f"<answer>{guess}</answer>"
+                reply = f"<answer>{format_result(guess)}</answer>"
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         ids = ids[: sampling.max_new_tokens]
         finish = FinishReason.STOP if ids[-1] == self.tokenizer.eos_token_id else FinishReason.LENGTH

@@ -30,7 +30,7 @@ CALC_TOOL = {
         "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
     },
 }
-_ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+_ANSWER = re.compile(r"<answer>\s*([+-]?\d+)\s*</answer>")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -60,11 +60,13 @@ def evaluate(expr: str) -> int:
     return value
 
 
+def format_result(value: int) -> str:
+    """The calculator's display: signed, zero-padded to 6 digits (``+000347``), like a fixed-width readout."""
+    return f"{value:+07d}"
+
+
 def make_task(rng: random.Random, index: int, split: str) -> Task:
-    n_operands = rng.choice((2, 2, 3))
-    nums = [rng.randint(2, 99 if n_operands == 3 else 999) for _ in range(n_operands)]
-    ops = [rng.choice("+-*") for _ in range(n_operands - 1)]
-    expr = str(nums[0]) + "".join(f"{o}{n}" for o, n in zip(ops, nums[1:]))
+    expr = f"{rng.randint(100, 999)}{rng.choice('+-*')}{rng.randint(100, 999)}"
     messages = ({"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {expr}?"})
     return Task(id=f"{split}-{index}", messages=messages, info={"expr": expr, "answer": evaluate(expr)})
 
@@ -83,7 +85,7 @@ class ArithToolsSession(EnvSession):
         expr = arguments.get("expr")
         if not isinstance(expr, str):
             raise ToolError('calc takes {"expr": "<arithmetic>"}')
-        return str(evaluate(expr))
+        return format_result(evaluate(expr))
 
     async def score(self, messages: list[dict[str, Any]]) -> Reward:
         final = next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
