@@ -54,6 +54,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     micro_batch_tokens: int = 8192  # micro-batches are packed by token count up to this
     world_size: int = 1  # FSDP2 ranks; 1 runs in-process

@@ -98,6 +98,9 @@ class Run:
         from miles_agent.weight_sync import InProcessTransport
 
         check_device(cfg.model.device)
+        if cfg.rollout.engine != "local":
+            raise UserError(f"rollout.engine {cfg.rollout.engine!r} is not available in this version; "
+                            "use rollout.engine=local (the embedded engine)")
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
@@ -143,6 +146,9 @@ class Run:
             trajs = await self.rollout(progress)
             t1 = time.perf_counter()
             trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
+            if not trainable:
+                raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
+                                   "nothing to train on")
             record.update(rollout_metrics(trajs))
             record["episode_retries"] = float(self.runner.stats.retries)
             if progress:

@@ -104,7 +104,7 @@ class FSDP2Trainer:
         if algo.kl_coef > 0:  # a frozen copy of the initial policy, sharded the same way (not saved)
             self.ref_model = shard(copy.deepcopy(model).requires_grad_(False).eval().to(self.device), self.mesh)
         self.model = shard(model.to(self.device), self.mesh)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas), eps=train.adam_eps,
                                            weight_decay=train.weight_decay)
         self._loss_opts = loss_options(algo)
         lr_at(train, 0)  # a bad schedule fails here, not at the first step

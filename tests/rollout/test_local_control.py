@@ -14,6 +14,18 @@ from miles_agent.models.builder import build_tiny
 LONG = SamplingParams(max_new_tokens=40, temperature=0)
 
 
+@pytest.fixture
+def make_engine(make_engine):
+    """Engines that ignore EOS: these tests pause requests mid-flight, so every one must run its full length."""
+
+    def make(arch: str = "tiny-qwen3", **kw):
+        engine = make_engine(arch, **kw)
+        engine.eos_ids = frozenset()
+        return engine
+
+    return make
+
+
 async def wait_steps(engine, n: int) -> None:
     """Let the engine run until it has done at least n decode steps in total."""
     while engine.stats["decode_steps"] < n:

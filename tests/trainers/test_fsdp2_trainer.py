@@ -20,7 +20,7 @@ PROMPTS = [[11, 12, 13, 14], [21, 22], [31, 32, 33], [41, 42, 43, 44, 45]]
 
 
 def make_trainer(arch: str = "tiny-qwen3", temperature: float = 1.0, **overrides: object) -> FSDP2Trainer:
-    train_keys = {"lr", "micro_batch_tokens", "grad_clip", "weight_decay"}
+    train_keys = {"lr", "micro_batch_tokens", "grad_clip", "weight_decay", "adam_eps"}
     train = TrainConfig(**{"lr": 1e-3, **{k: v for k, v in overrides.items() if k in train_keys}})
     algo = AlgoConfig(**{k: v for k, v in overrides.items() if k not in train_keys})
     model, tok = build_tiny(arch, seed=0)
@@ -105,7 +105,9 @@ def test_micro_batches_accumulate_to_the_full_batch_update(arch: str) -> None:
     results = []
     # sequence lengths 15, 12, 11, 10: one padded micro-batch; [15] [12, 11] [10]; one sequence each
     for budget in (10_000, 24, 1):
-        trainer = make_trainer(arch, micro_batch_tokens=budget, kl_coef=0.1, entropy_coef=0.01)
+        # Adam's first step is ~lr * sign(g), so a gradient at rounding-noise level (|g| ~ 1e-9) moves a
+        # weight by a full lr in a direction set by summation order; a larger eps keeps that noise small.
+        trainer = make_trainer(arch, micro_batch_tokens=budget, kl_coef=0.1, entropy_coef=0.01, adam_eps=1e-4)
         metrics = trainer.train_step(batch)
         results.append((metrics, weights(trainer)))
     (m1, w1), *others = results

@@ -37,7 +37,8 @@ def make_batch() -> TrainBatch:
 
 def run_step(world_size: int, budget: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     model, tok = build_tiny("tiny-qwen3", seed=0)
-    trainer = FSDP2Trainer(model, tok, TrainConfig(lr=1e-3, micro_batch_tokens=budget, world_size=world_size),
+    trainer = FSDP2Trainer(model, tok, TrainConfig(lr=1e-3, micro_batch_tokens=budget, world_size=world_size,
+                                                     adam_eps=1e-4),  # see test_micro_batches_accumulate...
                            AlgoConfig(kl_coef=0.05, entropy_coef=0.01, loss_agg="seq_mean_token_mean"))
     metrics = trainer.train_step(make_batch())
     return metrics, {k: v.clone() for k, v in trainer.named_weights()}
