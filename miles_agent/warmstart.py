@@ -13,6 +13,7 @@ import inspect
 import logging
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from miles_agent.errors import UserError
 
 log = logging.getLogger(__name__)
 
-WARM_START_VERSION = 1
+WARM_START_VERSION = 2
 
 
 def shipped_path(env: Environment, arch: str) -> Path:
@@ -46,15 +47,28 @@ def ensure_warm_start(env: Environment, arch: str) -> Path:
     return out
 
 
-def build_warm_start(env: Environment, arch: str, out: Path, *, episodes: int = 4096, epochs: int = 5,
+@dataclass(frozen=True)
+class SFTStage:
+    """``steps`` SFT steps on episodes of the environment's demonstrator at ``tool_rate``."""
+
+    steps: int
+    tool_rate: float
+
+
+# First the skills, then the habits: SFT on the oracle (tool use every time) teaches the format and to
+# copy arguments and results exactly; a short final stage on the lazy demonstrator (tool use half the
+# time) leaves a policy that can use its tool but often does not -- which RL then has to fix.
+DEFAULT_STAGES = (SFTStage(steps=560, tool_rate=1.0), SFTStage(steps=80, tool_rate=0.5))
+
+
+def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SFTStage, ...] = DEFAULT_STAGES,
                      batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
                      progress: bool = True) -> dict[str, float]:
-    """SFT a fresh tiny model on the environment's demonstrator; returns the final SFT metrics."""
+    """SFT a fresh tiny model on the environment's demonstrator, stage by stage, one cosine schedule
+    over all of them; returns the final SFT metrics. Uses the env's "sft" split, never its RL tasks."""
     import torch
 
-    from miles_agent.harnesses.chat_tools import ChatToolsHarness
     from miles_agent.models.builder import build_tiny
-    from miles_agent.rollout.episodes import EpisodeRunner, collect
     from miles_agent.trainer import TrainBatch
     from miles_agent.trainers.fsdp2 import FSDP2Trainer
 
@@ -62,28 +76,35 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, episodes: int = 
         raise UserError(f"environment {env.name!r} ships no warm start (no demonstrator); "
                         "pass --hf-checkpoint DIR with a model to start from")
     model, tokenizer = build_tiny(arch, seed=seed)
-    harness = ChatToolsHarness(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
-    tasks = env.tasks("train")[:episodes]
-    trajs = asyncio.run(collect(EpisodeRunner(env, harness), tasks, 1, env.demonstrator(tokenizer),
-                                concurrency=256))
-    total = epochs * ((len(trajs) + batch_size - 1) // batch_size)
+    total = sum(stage.steps for stage in stages)
     schedule = TrainConfig(lr=lr, lr_schedule="cosine", lr_warmup_steps=20, lr_decay_steps=total,
                            min_lr_ratio=0.05, grad_clip=1.0, micro_batch_tokens=16384)
     trainer = FSDP2Trainer(model, tokenizer, schedule, AlgoConfig(loss="sft"))
     rng = random.Random(seed)
     metrics: dict[str, float] = {}
     bar = _bar(total, progress)
-    for epoch in range(epochs):
-        rng.shuffle(trajs)
-        for i in range(0, len(trajs), batch_size):
-            batch = trajs[i:i + batch_size]
+    for index, stage in enumerate(stages):
+        demos = _demonstrations(env, tokenizer, stage, seed + index)
+        for _ in range(stage.steps):
+            batch = rng.sample(demos, batch_size)
             metrics = trainer.train_step(TrainBatch(batch, [[0.0] * t.response_length for t in batch]))
-            bar.set_postfix(epoch=epoch, loss=f"{metrics['loss']:.3f}")
+            bar.set_postfix(stage=index, loss=f"{metrics['loss']:.3f}")
             bar.update()
     bar.close()
     with torch.no_grad():
         trainer.save_hf(out)
+    trainer.close()
     return metrics
+
+
+def _demonstrations(env: Environment, tokenizer: Any, stage: SFTStage, seed: int) -> list[Any]:
+    """The demonstrator's episodes on the env's "sft" split, played through the real harness (TITO data)."""
+    from miles_agent.harnesses.chat_tools import ChatToolsHarness
+    from miles_agent.rollout.episodes import EpisodeRunner, collect
+
+    harness = ChatToolsHarness(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
+    policy = env.demonstrator(tokenizer, tool_rate=stage.tool_rate, seed=seed)
+    return asyncio.run(collect(EpisodeRunner(env, harness), env.tasks("sft"), 1, policy, concurrency=256))
 
 
 def _bar(total: int, enabled: bool) -> Any:

@@ -61,12 +61,14 @@ def evaluate(expr: str) -> int:
 
 
 def format_result(value: int) -> str:
-    """The calculator's display: signed, zero-padded to 6 digits (``+000347``), like a fixed-width readout."""
-    return f"{value:+07d}"
+    """The calculator's display: signed, zero-padded to 4 digits (``+0347``), like a fixed-width readout."""
+    return f"{value:+05d}"
 
 
 def make_task(rng: random.Random, index: int, split: str) -> Task:
-    expr = f"{rng.randint(100, 999)}{rng.choice('+-*')}{rng.randint(100, 999)}"
+    # Fixed width (two 2-digit operands): with the calculator's fixed-width readout, every copy the
+    # model makes is at a constant distance -- easy to learn for a tiny model, exact to verify.
+    expr = f"{rng.randint(10, 99)}{rng.choice('+-*')}{rng.randint(10, 99)}"
     messages = ({"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {expr}?"})
     return Task(id=f"{split}-{index}", messages=messages, info={"expr": expr, "answer": evaluate(expr)})
 
@@ -104,11 +106,12 @@ class ArithToolsEnv(Environment):
         self.seed = seed
 
     def tasks(self, split: str = "train") -> list[Task]:
-        offset = {"train": 0, "eval": 1, "test": 2}.get(split)
+        # "sft" holds the warm start's demonstrations, apart from the RL tasks.
+        offset = {"train": 0, "eval": 1, "test": 2, "sft": 3}.get(split)
         if offset is None:
-            raise ValueError(f"unknown split {split!r}; use train, eval or test")
+            raise ValueError(f"unknown split {split!r}; use train, eval, test or sft")
         rng = random.Random(self.seed * 10 + offset)
-        n = self.num_tasks if split == "train" else max(64, self.num_tasks // 16)
+        n = self.num_tasks if split in ("train", "sft") else max(64, self.num_tasks // 16)
         return [make_task(rng, i, split) for i in range(n)]
 
     async def open(self, task: Task, sandbox: Sandbox | None = None) -> EnvSession:

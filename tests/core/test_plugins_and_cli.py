@@ -81,3 +81,22 @@ def test_malformed_recipe_file(tmp_path):
     bad.write_text("train: {lr: [1,\n")
     out = cli("train", "--env", "arith-tools", "--recipe", str(bad))
     assert out.returncode == 2 and "not valid YAML" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_eval_oracle_on_a_folder_of_harbor_tasks(tmp_path):
+    import shutil
+
+    shipped = REPO / "envs" / "terminal_bench" / "tasks"
+    for name in ("hello-file", "csv-column-sum"):
+        shutil.copytree(shipped / name, tmp_path / name)
+    out = cli("eval", "--env", "terminal-bench", "--policy", "oracle", "--tasks", str(tmp_path), "--split", "all")
+    assert out.returncode == 0, out.stderr
+    assert "reward 1.000 over 2 episodes" in out.stdout
+
+
+def test_sandbox_exec_reports_output_exit_code_and_limits():
+    out = cli("sandbox", "exec", "--timeout", "1", "--", "bash", "-c", "echo out; echo err >&2; sleep 5")
+    assert out.returncode == 0, out.stderr
+    assert "out\n" in out.stdout and "err\n" in out.stdout and "limit hit: wall_time" in out.stdout
+    out = cli("sandbox", "exec", "--", "cat /root/.bash_history /etc/shadow; exit 7")
+    assert "exit code 7" in out.stdout and "No such file" in out.stdout

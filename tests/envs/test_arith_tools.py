@@ -18,7 +18,7 @@ def test_calculator_is_exact_and_refuses_everything_else():
     for bad in ["__import__('os')", "2**99999", "1/0", "a+1", "9" * 70, "1+"]:
         with pytest.raises(ToolError):
             evaluate(bad)
-    assert format_result(347) == "+000347" and format_result(-21) == "-000021"
+    assert format_result(347) == "+0347" and format_result(-21) == "-0021" and format_result(9801) == "+9801"
 
 
 def test_tasks_are_deterministic_and_splits_differ():
