@@ -93,6 +93,7 @@ class Run:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         import torch
 
+        from miles_agent.algorithms.advantages import get_advantage_fn
         from miles_agent.models.loading import load_policy
         from miles_agent.rollout.local import LocalEngine
         from miles_agent.weight_sync import InProcessTransport
@@ -105,6 +106,7 @@ class Run:
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
+        self.advantage_fn = get_advantage_fn(cfg.algo.advantage)  # a bad name fails before any work
         self.env = build_env(cfg)
         model, self.tokenizer = load_policy(cfg, self.env)
         engine_model = copy.deepcopy(model)  # before the trainer shards its own copy
@@ -133,7 +135,7 @@ class Run:
         return registry.load("sandboxes", self.cfg.env.sandbox)
 
     async def train(self, progress: Any = None) -> list[dict[str, Any]]:
-        from miles_agent.algorithms.advantages import ADVANTAGES, per_token
+        from miles_agent.algorithms.advantages import per_token
         from miles_agent.trainer import TrainBatch
 
         cfg, records = self.cfg, []
@@ -153,7 +155,7 @@ class Run:
             record["episode_retries"] = float(self.runner.stats.retries)
             if progress:
                 progress.phase("train")
-            adv = ADVANTAGES[cfg.algo.advantage]([t.reward for t in trainable], [t.group_id for t in trainable],
+            adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
                                                 normalize_std=cfg.algo.normalize_std)
             train_metrics = self.trainer.train_step(TrainBatch(trainable, per_token(trainable, adv)))
             t2 = time.perf_counter()
@@ -228,6 +230,8 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
             return await run.train(view)
         finally:
             await run.engine.shutdown()
+            if hasattr(run.trainer, "close"):
+                run.trainer.close()
             if view is not None:
                 view.close()
 
