@@ -24,7 +24,7 @@ from miles_agent.errors import UserError
 
 log = logging.getLogger(__name__)
 
-WARM_START_VERSION = 2
+WARM_START_VERSION = 3
 
 
 def shipped_path(env: Environment, arch: str) -> Path:
@@ -55,10 +55,10 @@ class SFTStage:
     tool_rate: float
 
 
-# First the skills, then the habits: SFT on the oracle (tool use every time) teaches the format and to
-# copy arguments and results exactly; a short final stage on the lazy demonstrator (tool use half the
-# time) leaves a policy that can use its tool but often does not -- which RL then has to fix.
-DEFAULT_STAGES = (SFTStage(steps=560, tool_rate=1.0), SFTStage(steps=80, tool_rate=0.5))
+# First the skills, then the habits: SFT on the oracle (tool use every time) teaches the tool-call and
+# answer formats; a short final stage on the lazy demonstrator (tool use 40% of the time) leaves a
+# policy that can use its tool but mostly does not -- which RL then has to fix.
+DEFAULT_STAGES = (SFTStage(steps=160, tool_rate=1.0), SFTStage(steps=60, tool_rate=0.4))
 
 
 def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SFTStage, ...] = DEFAULT_STAGES,

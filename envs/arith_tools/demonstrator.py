@@ -1,5 +1,8 @@
 """A scripted demonstrator for arith-tools, speaking the `Policy` contract.
 
+It calls the calculator on the question (no arguments) and answers with ANS, or -- at rate
+``1 - tool_rate`` -- guesses a number without the tool.
+
 It plays episodes through the real harness, so its trajectories are genuine TITO data (the warm
 start's SFT set). With ``tool_rate=1`` it is the oracle; with 0.5 it is a lazy demonstrator that
 guesses half the time -- the warm start RL has to improve on.
@@ -31,13 +34,13 @@ class ArithDemonstrator:
         last_turn = text[text.rfind("<|im_start|>user"):]
         result = _RESULT.search(last_turn)
         if result:
-            reply = f"<answer>{result.group(1)}</answer>"
+            reply = "<answer>ans</answer>"  # the calculator's ANS register holds the result
         else:
             expr = _QUESTION.search(last_turn).group(1)
             # Deterministic per question, whatever order episodes run in.
             rng = random.Random(zlib.crc32(f"{self.seed}:{expr}:{len(input_ids)}".encode()))
             if rng.random() < self.tool_rate:
-                reply = f'<tool_call>{{"name": "calc", "arguments": {{"expr": "{expr}"}}}}</tool_call>'
+                reply = '<tool_call>{"name": "calc", "arguments": {}}</tool_call>'  # evaluates the question
             else:
                 true = evaluate(expr)
                 guess = true + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(true) // 10 + 1))

@@ -51,6 +51,8 @@ def test_oracle_scores_one_and_the_lazy_demonstrator_about_half(tokenizer):
     lazy = run(env, tokenizer, env.demonstrator(tokenizer, tool_rate=0.5), n=64)
     rewards = [t.validate().reward for t in lazy]
     assert 0.3 < sum(rewards) / len(rewards) < 0.7
+    explicit = run(env, tokenizer, _ExplicitOracle(tokenizer), n=8)  # the calculator evaluates any expression
+    assert all(t.validate().reward == 1.0 for t in explicit)
     assert all(t.reward == float(t.reward_parts["tool_calls"] > 0) for t in lazy)  # guesses are wrong
 
 
@@ -68,3 +70,25 @@ def test_verifier_reads_the_final_answer_only():
     assert asyncio.run(score(f"<answer>{answer + 1}</answer>")).value == 0.0
     wrong_format = asyncio.run(score(str(answer)))
     assert wrong_format.value == 0.0 and wrong_format.parts["format"] == 0.0
+
+
+class _ExplicitOracle:
+    """Passes the expression explicitly and answers with the number itself (no ANS)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    async def generate(self, input_ids, sampling, *, return_routed_experts=False):
+        import re
+
+        from miles_agent.engine import Completion, FinishReason
+
+        text = self.tokenizer.decode(input_ids)
+        result = re.search(r"<tool_response>([+-]\d+)</tool_response>", text)
+        if result:
+            reply = f"<answer>{int(result.group(1))}</answer>"
+        else:
+            expr = re.search(r"What is ([0-9+*-]+)\?", text).group(1)
+            reply = f'<tool_call>{{"name": "calc", "arguments": {{"expr": "{expr}"}}}}</tool_call>'
+        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return Completion(ids, [0.0] * len(ids), FinishReason.STOP, 0)

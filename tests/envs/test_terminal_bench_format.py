@@ -10,6 +10,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
+
+from miles_agent.environment import ToolError
 from miles_agent.envs.terminal_bench import (
     SHIPPED_TASKS,
     TaskFormatError,
@@ -18,8 +20,6 @@ from miles_agent.envs.terminal_bench import (
     load_tasks,
 )
 from miles_agent.envs.terminal_bench.env import BUILD_IMAGE_PREFIX, _format_output, _Layout, _parse_reward
-
-from miles_agent.environment import ToolError
 from miles_agent.errors import UserError
 from miles_agent.sandbox import ExecResult
 

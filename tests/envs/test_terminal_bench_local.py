@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from miles_agent.envs.terminal_bench import TerminalBenchEnv
 
 from miles_agent.environment import Reward, Task
+from miles_agent.envs.terminal_bench import TerminalBenchEnv
 from miles_agent.sandbox import SandboxError
 
 local = pytest.importorskip("miles_agent.sandboxes.local", reason="the local sandbox is not installed")
@@ -179,10 +179,9 @@ def test_agent_time_budget_is_enforced(tmp_path):
 
 def test_full_episode_through_runner_and_terminal_harness(tokenizer, scripted):
     """The path `miles-agent train --env terminal-bench` takes: runner -> terminal harness -> bash tool."""
-    from miles_agent.harnesses.terminal import TerminalHarness
-
     from miles_agent.engine import SamplingParams
     from miles_agent.environment import HarnessLimits
+    from miles_agent.harnesses.terminal import TerminalHarness
     from miles_agent.rollout.episodes import EpisodeRunner
 
     env = TerminalBenchEnv()

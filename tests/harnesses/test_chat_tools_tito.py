@@ -31,7 +31,10 @@ class EchoSession(EnvSession):
         return Reward(1.0, {"x": 1.0})
 
 
-def run(tokenizer, policy, limits=HarnessLimits(), session=None):
+DEFAULT_LIMITS = HarnessLimits()
+
+
+def run(tokenizer, policy, limits=DEFAULT_LIMITS, session=None):
     session = session or EchoSession()
     harness = ChatToolsHarness(tokenizer, limits, SamplingParams(max_new_tokens=64))
     return asyncio.run(harness.run(TASK, session, policy)), session
