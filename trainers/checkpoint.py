@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from miles_agent.atomic import replace_dir
 from miles_agent.errors import UserError
 
 META = "meta.json"
@@ -48,17 +49,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-
-def replace_dir(tmp: Path, path: Path) -> None:
-    """Move ``tmp`` to ``path``; an existing ``path`` is moved aside first and deleted last."""
-    if path.exists():
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(path)
 
 
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,

@@ -100,16 +100,11 @@ def save_hf(model, tokenizer, path: str | Path) -> None:  # noqa: ANN001
     """Write an HF-format folder (config, safetensors, tokenizer) atomically: temp folder, then rename."""
     import shutil
 
+    from miles_agent.atomic import replace_dir
+
     p = Path(path)
     tmp = p.with_name(p.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    if p.exists():
-        old = p.with_name(p.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        p.rename(old)
-        tmp.rename(p)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(p)
+    replace_dir(tmp, p)
