@@ -56,9 +56,9 @@ class SFTStage:
 
 
 # First the skills, then the habits: SFT on the oracle (tool use every time) teaches the tool-call and
-# answer formats; a short final stage on the lazy demonstrator (tool use 40% of the time) leaves a
+# answer formats; a short final stage on the lazy demonstrator (tool use 30% of the time) leaves a
 # policy that can use its tool but mostly does not -- which RL then has to fix.
-DEFAULT_STAGES = (SFTStage(steps=160, tool_rate=1.0), SFTStage(steps=60, tool_rate=0.4))
+DEFAULT_STAGES = (SFTStage(steps=400, tool_rate=1.0), SFTStage(steps=60, tool_rate=0.3))
 
 
 def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SFTStage, ...] = DEFAULT_STAGES,

@@ -92,3 +92,16 @@ class _ExplicitOracle:
             reply = f'<tool_call>{{"name": "calc", "arguments": {{"expr": "{expr}"}}}}</tool_call>'
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         return Completion(ids, [0.0] * len(ids), FinishReason.STOP, 0)
+
+
+def test_shipped_warm_start_matches_the_current_tokenizer_and_arch():
+    """A warm start built with another template or architecture is stale: rebuild it with
+    `miles-agent warmstart --env arith-tools --out envs/arith_tools/warmstart/tiny-qwen3`."""
+    from miles_agent.models.builder import load_hf
+    from miles_agent.models.tokenizer import CHAT_TEMPLATE
+    from miles_agent.warmstart import shipped_path
+
+    path = shipped_path(ArithToolsEnv(), "tiny-qwen3")
+    model, tok = load_hf(path)
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert len(tok) == model.config.vocab_size and model.config.num_hidden_layers == 4

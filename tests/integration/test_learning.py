@@ -15,7 +15,7 @@ def test_reward_rises_on_the_builtin_task(tmp_path):
     records = train(cfg)
     rewards = [r["reward_mean"] for r in records]
     first, last = mean(rewards[:3]), mean(rewards[-3:])
-    assert last >= first + 0.15, rewards
+    assert last >= first + 0.2, rewards
     # the policy learned to use its tool: more calls per episode at the end than at the start
     assert mean(r["reward/tool_calls"] for r in records[-3:]) > mean(r["reward/tool_calls"] for r in records[:3])
     # weight versions advance one per step, and the engine sampled every step with the latest weights
