@@ -20,7 +20,8 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
     engine: Any = None
     make_sandbox = registry.load("sandboxes", cfg.env.sandbox) if env.needs_sandbox else None
     if policy == "oracle" and hasattr(env, "oracle_solve"):
-        return await _solve_with_oracle(env, tasks, make_sandbox, cfg.rollout.concurrency)
+        runner = EpisodeRunner(env, harness=None, make_sandbox=make_sandbox)  # type: ignore[arg-type]
+        return await _solve_with_oracle(runner, tasks, cfg.rollout.concurrency)
     if policy == "oracle":
         if not hasattr(env, "oracle_policy"):
             raise UserError(f"environment {env.name!r} has no oracle; use --policy model")
@@ -47,25 +48,16 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
     return rollout_metrics(trajs)
 
 
-async def _solve_with_oracle(env: Any, tasks: list[Any], make_sandbox: Any, concurrency: int) -> dict[str, float]:
+async def _solve_with_oracle(runner: EpisodeRunner, tasks: list[Any], concurrency: int) -> dict[str, float]:
     """Environments whose oracle is a script (terminal-bench's solve.sh): run it, then the verifier."""
     import asyncio
 
     sem = asyncio.Semaphore(concurrency)
 
     async def one(task: Any) -> float:
-        async with sem:
-            sandbox = make_sandbox()
-            await sandbox.start(env.sandbox_spec(task))
-            try:
-                session = await env.open(task, sandbox)
-                try:
-                    await env.oracle_solve(task, sandbox)
-                    return (await session.score([])).value
-                finally:
-                    await session.close()
-            finally:
-                await sandbox.stop()
+        async with sem, runner.episode(task) as (session, sandbox):
+            await runner.env.oracle_solve(task, sandbox)
+            return (await session.score([])).value
 
     rewards = await asyncio.gather(*(one(t) for t in tasks))
     n = len(rewards)

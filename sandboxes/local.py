@@ -1,6 +1,6 @@
 """The local sandbox: bubblewrap-isolated commands in a private per-episode workspace (the embedded default).
 
-Each episode gets a fresh folder ``<tmp>/miles-sandbox-XXXX/`` owned by the sandbox, holding
+Each episode gets a fresh folder ``<tmp>/miles-sandbox-<random>/`` owned by the sandbox, holding
 ``fs/workspace`` (mounted at /workspace, the cwd), ``fs/tmp`` (/tmp) and ``fs/root`` (/root, HOME):
 private to the episode, kept across its exec calls (like one container: an agent's ``/tmp/notes``
 survives to its next command), deleted by `stop`. The folder is mode 0700, so nothing a command

@@ -9,12 +9,13 @@ as FAILED, so nothing is silently dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from miles_agent.engine import Policy
-from miles_agent.environment import Environment, Harness, Task
+from miles_agent.environment import Environment, EnvSession, Harness, Task
 from miles_agent.sandbox import Sandbox, SandboxError
 from miles_agent.types import Status, Trajectory
 
@@ -60,6 +61,12 @@ class EpisodeRunner:
         return [failed]
 
     async def _attempt(self, task: Task, policy: Policy) -> list[Trajectory]:
+        async with self.episode(task) as (session, _sandbox):
+            return await self.harness.run(task, session, policy)
+
+    @contextlib.asynccontextmanager
+    async def episode(self, task: Task) -> AsyncIterator[tuple[EnvSession, Sandbox | None]]:
+        """The episode's session and sandbox; the session is closed, then the sandbox stopped, whatever happens."""
         sandbox = None
         if self.env.needs_sandbox:
             if self.make_sandbox is None:
@@ -69,13 +76,12 @@ class EpisodeRunner:
         try:
             session = await self.env.open(task, sandbox)
             try:
-                return await self.harness.run(task, session, policy)
+                yield session, sandbox
             finally:
                 await session.close()
         finally:
             if sandbox is not None:
                 await sandbox.stop()
-
 
 async def collect(runner: EpisodeRunner, tasks: list[Task], samples_per_task: int, policy: Policy,
                   concurrency: int, on_done: Callable[[], None] | None = None,

@@ -7,9 +7,9 @@ zero reward mid-run), and the container/local split decides which tasks may touc
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
+from harbor_helpers import make_task
 
 from miles_agent.environment import ToolError
 from miles_agent.envs.terminal_bench import (
@@ -22,24 +22,6 @@ from miles_agent.envs.terminal_bench import (
 from miles_agent.envs.terminal_bench.env import BUILD_IMAGE_PREFIX, _format_output, _Layout, _parse_reward
 from miles_agent.errors import UserError
 from miles_agent.sandbox import ExecResult
-
-TEST_SH = "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"
-
-
-def make_task(root: Path, name: str = "t", toml: str = 'version = "1.0"\n', instruction: str = "Do it.",
-              test_sh: str | None = TEST_SH, files: dict[str, str] | None = None) -> Path:
-    d = root / name
-    (d / "tests").mkdir(parents=True)
-    if toml is not None:
-        (d / "task.toml").write_text(toml)
-    if instruction is not None:
-        (d / "instruction.md").write_text(instruction)
-    if test_sh is not None:
-        (d / "tests" / "test.sh").write_text(test_sh)
-    for rel, text in (files or {}).items():
-        (d / rel).parent.mkdir(parents=True, exist_ok=True)
-        (d / rel).write_text(text)
-    return d
 
 
 def test_shipped_set_is_graded_and_complete():

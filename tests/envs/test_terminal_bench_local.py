@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harbor_helpers import make_task
 
 from miles_agent.environment import Reward, Task
 from miles_agent.envs.terminal_bench import TerminalBenchEnv
@@ -47,15 +48,7 @@ async def episode(env: TerminalBenchEnv, task: Task, play: Play | None = None, o
 
 def write_task(root: Path, name: str, test_sh: str, toml: str = 'version = "1.0"\n',
                files: dict[str, str] | None = None) -> Path:
-    d = root / name
-    (d / "tests").mkdir(parents=True)
-    (d / "task.toml").write_text(toml)
-    (d / "instruction.md").write_text("Do the thing.")
-    (d / "tests" / "test.sh").write_text(test_sh)
-    for rel, text in (files or {}).items():
-        (d / rel).parent.mkdir(parents=True, exist_ok=True)
-        (d / rel).write_text(text)
-    return d
+    return make_task(root, name, toml=toml, instruction="Do the thing.", test_sh=test_sh, files=files)
 
 
 def test_every_shipped_task_oracle_scores_1_and_noop_scores_0():
