@@ -94,14 +94,10 @@ class Run:
         import torch
 
         from miles_agent.algorithms.advantages import get_advantage_fn
+        from miles_agent.components import build_engines, build_trainer, build_transport
         from miles_agent.models.loading import load_policy
-        from miles_agent.rollout.local import LocalEngine
-        from miles_agent.weight_sync import InProcessTransport
 
         check_device(cfg.model.device)
-        if cfg.rollout.engine != "local":
-            raise UserError(f"rollout.engine {cfg.rollout.engine!r} is not available in this version; "
-                            "use rollout.engine=local (the embedded engine)")
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
@@ -110,12 +106,10 @@ class Run:
         self.env = build_env(cfg)
         model, self.tokenizer = load_policy(cfg, self.env)
         engine_model = copy.deepcopy(model)  # before the trainer shards its own copy
-        self.trainer = registry.load("trainers", cfg.train.backend)(
-            model, self.tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature,
-            device=cfg.model.device)
-        self.engine = LocalEngine(engine_model, self.tokenizer, max_batch_size=cfg.rollout.max_batch_size,
-                                  device=cfg.model.device)
-        self.transport = InProcessTransport([self.engine])
+        self.trainer = build_trainer(cfg, model, self.tokenizer)
+        self.engines = build_engines(cfg, engine_model, self.tokenizer)
+        self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
+        self.transport = build_transport(cfg, self.trainer, self.engines)
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
@@ -229,7 +223,8 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
         try:
             return await run.train(view)
         finally:
-            await run.engine.shutdown()
+            for engine in run.engines:
+                await engine.shutdown()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
             if view is not None:

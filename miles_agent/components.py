@@ -1,0 +1,34 @@
+"""Which engine, trainer and weight transport a config asks for -- one place that maps config to parts.
+
+The driver loop (miles_agent/loop.py) only calls these builders, so a new backend (Ray actors, SGLang
+servers, Megatron, another transport) is added here and in its own module, never inside the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_agent import registry
+from miles_agent.config import Config
+from miles_agent.errors import UserError
+
+
+def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    return registry.load("trainers", cfg.train.backend)(
+        model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device)
+
+
+def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
+    """The rollout engines; ``model`` is the engine's own copy of the policy (not the trainer's)."""
+    if cfg.rollout.engine != "local":
+        raise UserError(f"rollout.engine {cfg.rollout.engine!r} is not available in this version; "
+                        "use rollout.engine=local (the embedded engine)")
+    from miles_agent.rollout.local import LocalEngine
+
+    return [LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device)]
+
+
+def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
+    from miles_agent.weight_sync import InProcessTransport
+
+    return InProcessTransport(engines)
