@@ -14,12 +14,20 @@ from miles_agent.errors import UserError
 
 
 def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    if _on_ray(cfg):
+        from miles_agent.runtime import launch
+
+        return launch.build_trainer(cfg, model, tokenizer)
     return registry.load("trainers", cfg.train.backend)(
         model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device)
 
 
 def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
     """The rollout engines; ``model`` is the engine's own copy of the policy (not the trainer's)."""
+    if _on_ray(cfg) and cfg.rollout.engine == "local":
+        from miles_agent.runtime import launch
+
+        return launch.build_engines(cfg, model, tokenizer)
     if cfg.rollout.engine != "local":
         raise UserError(f"rollout.engine {cfg.rollout.engine!r} is not available in this version; "
                         "use rollout.engine=local (the embedded engine)")
@@ -29,6 +37,17 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
 
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
+    if _on_ray(cfg):
+        from miles_agent.runtime import launch
+
+        return launch.build_transport(cfg, trainer, engines)
     from miles_agent.weight_sync import InProcessTransport
 
     return InProcessTransport(engines)
+
+
+def _on_ray(cfg: Config) -> bool:
+    """cluster.mode: ``local`` (one process) or ``ray`` (actors in placement groups, miles_agent.runtime)."""
+    if cfg.cluster.mode not in ("local", "ray"):
+        raise UserError(f"cluster.mode must be local or ray, got {cfg.cluster.mode!r}")
+    return cfg.cluster.mode == "ray"

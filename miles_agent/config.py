@@ -97,6 +97,22 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Where the parts run (miles_agent.runtime): one process, or Ray actors in placement groups."""
+
+    mode: str = "local"  # local = everything in this process; ray = engines and trainer ranks as Ray actors
+    ray_address: str | None = None  # None = start Ray on this machine (loopback); "auto" / host:port = join
+    num_engines: int = 1  # rollout engine actors (mode=ray)
+    colocate: bool = False  # engines share the trainer ranks' bundles, releasing memory while they train
+    gpus_per_engine: float = 0.0
+    trainer_gpus: float = 0.0  # per trainer rank (train.world_size ranks)
+    cpus_per_actor: float = 1.0
+    health_check_interval_s: float = 2.0
+    health_check_timeout_s: float = 10.0  # an engine silent this long (or stuck with work) is restarted
+    max_engine_restarts: int = 50  # over the whole run; past it the run stops with a clear error
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -104,6 +120,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -26,3 +26,13 @@ def require(module: str, extra: str, purpose: str):  # noqa: ANN201 - returns th
         return importlib.import_module(module)
     except ImportError as e:
         raise MissingDependency(module.split(".")[0], extra, purpose) from e
+
+
+class InfraError(RuntimeError):
+    """Infrastructure failed under an episode (engine crash, sandbox, environment server): the episode
+    is retried and counted, never scored 0."""
+
+
+class RunAborted(RuntimeError):
+    """The run cannot go on (a trainer rank died, engines keep crashing). Never retried as an episode;
+    the message says what died and how to continue (usually --resume from the last checkpoint)."""

@@ -146,7 +146,7 @@ class Run:
                 raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
                                    "nothing to train on")
             record.update(rollout_metrics(trajs))
-            record["episode_retries"] = float(self.runner.stats.retries)
+            record.update(self.runner.stats.as_metrics())  # infra retries / aborted, task failures (cumulative)
             if progress:
                 progress.phase("train")
             adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],

@@ -12,6 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from miles_agent.errors import InfraError
+
 
 @dataclass(frozen=True)
 class SandboxLimits:
@@ -46,7 +48,7 @@ class SandboxSpec:
     limits: SandboxLimits = field(default_factory=SandboxLimits)
 
 
-class SandboxError(RuntimeError):
+class SandboxError(InfraError):
     """The sandbox itself failed (not the command inside it): the episode is retried, never scored 0."""
 
 

@@ -1,9 +1,19 @@
 """Running episodes: one task through harness, environment and sandbox, many of them concurrently.
 
 Ownership rule: the episode owns its environment session and its sandbox until scoring is done,
-then closes both, whatever happened. Infrastructure failures (an aborted generation, a sandbox
-error) are retried and counted -- never scored 0 -- and an episode that keeps failing is returned
-as FAILED, so nothing is silently dropped.
+then closes both, whatever happened.
+
+Two kinds of failure, told apart and counted separately:
+
+* infrastructure -- a generation aborted because an engine died or restarted, a sandbox or
+  environment server that failed (`miles_agent.errors.InfraError`, e.g. SandboxError): the episode is
+  re-queued from scratch, up to ``max_retries`` times, never scored 0. One that keeps failing comes
+  back ABORTED (not trained on, counted in ``stats.aborted``).
+* task -- anything else the environment or harness raises for this task (a broken task, a verifier
+  bug): not retried (it would fail again), returned as FAILED and counted in ``stats.failed``.
+
+`RunAborted` and `UserError` end the run: they are about the run, not the episode. Either way
+nothing is silently dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from dataclasses import dataclass, field
 
 from miles_agent.engine import Policy
 from miles_agent.environment import Environment, EnvSession, Harness, Task
+from miles_agent.errors import InfraError, RunAborted, UserError
 from miles_agent.sandbox import Sandbox, SandboxError
 from miles_agent.types import Status, Trajectory
 
@@ -24,9 +35,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EpisodeStats:
-    retries: int = 0
-    failed: int = 0
+    retries: int = 0  # attempts re-queued after an infrastructure failure
+    aborted: int = 0  # episodes given up after max_retries infrastructure failures (not trained, not scored)
+    failed: int = 0  # episodes that failed for a task reason (not retried)
     errors: list[str] = field(default_factory=list)
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"episode_retries": float(self.retries), "episode_aborted": float(self.aborted),
+                "episode_failed": float(self.failed)}
 
 
 @dataclass
@@ -38,13 +54,18 @@ class EpisodeRunner:
     stats: EpisodeStats = field(default_factory=EpisodeStats)
 
     async def run(self, task: Task, policy: Policy, group_id: str) -> list[Trajectory]:
-        """Play one episode to a scored trajectory, retrying infrastructure failures."""
+        """Play one episode to a scored trajectory, re-queueing it after infrastructure failures."""
         last_error = ""
         for attempt in range(self.max_retries + 1):
             try:
                 trajs = await self._attempt(task, policy)
-            except SandboxError as e:
-                last_error = f"sandbox: {e}"
+            except InfraError as e:
+                last_error = f"{'sandbox' if isinstance(e, SandboxError) else 'infra'}: {e}"
+            except (RunAborted, UserError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a task failure: recorded and returned, not retried
+                log.warning("episode %s failed (task error)", task.id, exc_info=True)
+                return [self._give_up(task, group_id, Status.FAILED, f"task: {type(e).__name__}: {e}")]
             else:
                 if all(t.status is not Status.ABORTED for t in trajs):
                     for t in trajs:
@@ -54,11 +75,17 @@ class EpisodeRunner:
                 last_error = "generation aborted"
             self.stats.retries += 1
             log.info("episode %s attempt %d failed (%s); retrying", task.id, attempt + 1, last_error)
-        self.stats.failed += 1
-        self.stats.errors.append(f"{task.id}: {last_error}")
-        failed = Trajectory(prompt_ids=[], task_id=task.id, group_id=group_id, status=Status.FAILED)
-        failed.metadata["error"] = last_error
-        return [failed]
+        return [self._give_up(task, group_id, Status.ABORTED, last_error)]
+
+    def _give_up(self, task: Task, group_id: str, status: Status, error: str) -> Trajectory:
+        if status is Status.ABORTED:
+            self.stats.aborted += 1
+        else:
+            self.stats.failed += 1
+        self.stats.errors.append(f"{task.id}: {error}")
+        out = Trajectory(prompt_ids=[], task_id=task.id, group_id=group_id, status=status)
+        out.metadata["error"] = error
+        return out
 
     async def _attempt(self, task: Task, policy: Policy) -> list[Trajectory]:
         async with self.episode(task) as (session, _sandbox):

@@ -1,0 +1,120 @@
+"""``cluster.mode=ray``: build the trainer group, the supervised engines and their weight transport.
+
+`miles_agent.components` calls these three in order (trainer, engines, transport); they share one
+`RaySession` per config (its placement group), which the trainer's ``close`` releases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_agent.config import Config
+from miles_agent.runtime import ray_cluster
+
+
+@dataclass
+class RaySession:
+    placement: ray_cluster.Placement
+    started_ray: bool
+    loopback: bool
+    engines: Any = None
+    trainer: Any = None
+    closed: bool = field(default=False)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        _SESSIONS.pop(self._key, None)
+        self.placement.remove()
+        if self.started_ray:
+            import ray
+
+            ray.shutdown()
+
+    _key: Any = None
+
+
+_SESSIONS: dict[Any, RaySession] = {}
+
+
+def session(cfg: Config) -> RaySession:
+    """The placement for this config, reserved on first use (the trainer is built first)."""
+    key = (id(cfg), cfg)
+    if key not in _SESSIONS:
+        c = cfg.cluster
+        started = ray_cluster.connect(c, needed_cpus=(cfg.train.world_size + c.num_engines) * c.cpus_per_actor * 2)
+        s = RaySession(ray_cluster.place(c, cfg.train.world_size), started, loopback=not c.ray_address)
+        s._key = key
+        _SESSIONS[key] = s
+    return _SESSIONS[key]
+
+
+class _ClosingTrainer:
+    """The trainer group, whose ``close`` also frees the run's placement (and Ray, if this run started it)."""
+
+    def __init__(self, group: Any, sess: RaySession) -> None:
+        self._group, self._session = group, sess
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+    def close(self) -> None:
+        try:
+            self._group.close()
+        finally:
+            if self._session.engines is not None:
+                self._session.engines.kill()
+            self._session.close()
+
+
+def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    from miles_agent.runtime.trainer_actor import RayTrainerGroup
+
+    sess = session(cfg)
+
+    def before_train() -> None:  # colocation: the engines give the device back while the trainer runs
+        if cfg.cluster.colocate and sess.engines is not None:
+            sess.engines.release_memory()
+
+    group = RayTrainerGroup(model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature,
+                            device=cfg.model.device, options=sess.placement.trainer_options, loopback=sess.loopback,
+                            before_train=before_train)
+    sess.trainer = _ClosingTrainer(group, sess)
+    return sess.trainer
+
+
+def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
+    import ray
+
+    from miles_agent.runtime.engine_actor import remote_engine_class
+    from miles_agent.runtime.supervisor import EngineSupervisor
+
+    sess = session(cfg)
+    cls = remote_engine_class()
+    model_ref, tok_ref = ray.put(model.to("cpu")), ray.put(tokenizer)
+    r, c = cfg.rollout, cfg.cluster
+
+    def spawn(i: int) -> Any:
+        return cls.options(**sess.placement.engine_options(i)).remote(model_ref, tok_ref, r.max_batch_size,
+                                                                        cfg.model.device)
+
+    sess.engines = EngineSupervisor(spawn, c.num_engines, health_check_interval_s=c.health_check_interval_s,
+                                    health_check_timeout_s=c.health_check_timeout_s,
+                                    max_restarts=c.max_engine_restarts)
+    return [sess.engines]
+
+
+class ObjectStoreTransport:
+    """`WeightTransport` to supervised engine actors: one ``ray.put`` of the full weights per version."""
+
+    def __init__(self, engines: Any) -> None:
+        self.engines = engines
+
+    async def push(self, named_tensors: Any, version: int) -> dict[str, float]:
+        return await self.engines.push_weights(named_tensors, version)
+
+
+def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
+    return ObjectStoreTransport(engines[0])

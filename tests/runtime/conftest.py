@@ -1,0 +1,25 @@
+"""One Ray instance for every runtime test: local, loopback only, no dashboard, 4 fake GPUs.
+
+The GPUs are logical resources only (nothing here runs on them): they let placement tests check
+which bundle and device each actor was given, on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+FAKE_GPUS = 4
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ray.init(address="local", include_dashboard=False, num_cpus=16, num_gpus=FAKE_GPUS,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield ray
+    ray.shutdown()
