@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int)
     t.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--ray-address", help="run engines and trainer ranks as actors on this Ray cluster "
+                   "('auto' or host:port; sets cluster.mode=ray)")
 
     e = sub.add_parser("eval", help="score a policy on an environment's tasks")
     _common(e)
@@ -68,6 +70,8 @@ def _config(args: argparse.Namespace) -> Any:
         value = getattr(args, flag, None)  # argparse namespaces are the one place flags are read by name
         if value is not None:
             extra[key] = value
+    if getattr(args, "ray_address", None):
+        extra.update({"cluster.mode": "ray", "cluster.ray_address": args.ray_address})
     return load_config(args.recipe, list(args.overrides), extra)
 
 
