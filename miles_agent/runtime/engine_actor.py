@@ -65,11 +65,14 @@ class EngineActor:
             torch.cuda.empty_cache()
         self.released = True
 
-    async def resume_memory(self) -> None:
-        """Weights back on the device; decoding continues only at the next ``resume``."""
-        if self.released and self.engine.device.type == "cuda":
+    async def resume_memory(self) -> bool:
+        """Weights back on the device (decoding continues at the next ``resume``); returns whether
+        the memory had been released."""
+        was = self.released
+        if was and self.engine.device.type == "cuda":
             self.engine.runner.model.to(self.engine.device)
         self.released = False
+        return was
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()

@@ -135,20 +135,22 @@ class EngineSupervisor:
             self._weights, self._version = ref, int(version)
             live = [s for s in self._slots if s.ready]
             done = await asyncio.gather(*(self._sync_one(s, s.actor, ref, int(version)) for s in live))
-        return {"sync_bytes": float(sum(t.numel() * t.element_size() for _, t in tensors)), "sync_buckets": 1.0,
-                "sync_engines": float(sum(done)), "engine_restarts": float(self.stats["restarts"]),
+        return {"sync_engines": float(sum(d is not None for d in done)),
+                "engine_memory_resumed": float(sum(bool(d) for d in done)),"sync_bytes": float(sum(t.numel() * t.element_size() for _, t in tensors)), "sync_buckets": 1.0,
+                "engine_restarts": float(self.stats["restarts"]),
                 "engine_aborted_requests": float(self.stats["aborted_requests"])}
 
-    async def _sync_one(self, slot: _Slot, actor: Any, ref: Any, version: int) -> bool:
+    async def _sync_one(self, slot: _Slot, actor: Any, ref: Any, version: int) -> bool | None:
+        """Whether the engine had released its memory (colocation), or None when it died meanwhile."""
         try:
-            await actor.resume_memory.remote()
+            was_released = await actor.resume_memory.remote()
             await actor.pause.remote(PauseMode.IN_PLACE)
             await actor.update_weights.remote(ref, version)
             await actor.resume.remote()
-            return True
+            return bool(was_released)
         except actor_failures():
             self._failed(slot, actor, "died during a weight update")
-            return False
+            return None
 
     def release_memory(self) -> None:
         """Colocation, before the trainer runs: every live engine frees its KV cache (and device weights).

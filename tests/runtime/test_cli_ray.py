@@ -1,5 +1,5 @@
 """The real ``miles-agent train`` with ``--ray-address``: a second driver process joins the test's Ray
-instance, places one trainer rank and two engines, and trains 2 steps."""
+instance, places two FSDP2 ranks (gloo) with an engine colocated beside each, and trains 2 steps."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def test_cli_trains_two_steps_on_ray(ray_session, tmp_path):
     cmd = [sys.executable, "-m", "miles_agent.cli", "train", "--env", "arith-tools", "--steps", "2",
            "--run-dir", str(tmp_path), "--no-progress", "--ray-address", address,
            "model.warm_start=null", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-           "env.max_new_tokens_per_turn=8", "env.max_turns=2", "cluster.num_engines=2"]
+           "env.max_new_tokens_per_turn=8", "env.max_turns=2", "train.world_size=2", "cluster.num_engines=2",
+           "cluster.colocate=true"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done: reward" in done.stdout
@@ -22,6 +23,8 @@ def test_cli_trains_two_steps_on_ray(ray_session, tmp_path):
     assert [r["step"] for r in records] == [0, 1]
     assert [r["weight_version"] for r in records] == [0, 1]  # the engines got step 0's weights before step 1
     assert records[-1]["sync_engines"] == 2.0 and records[-1]["engine_restarts"] == 0.0
+    # colocated: both engines had released their memory for the train step and took it back at the push
+    assert all(r["engine_memory_resumed"] == 2.0 for r in records)
     assert (tmp_path / "final" / "config.json").is_file()
     assert json.loads((tmp_path / "config.json").read_text())["cluster"]["ray_address"] == address
     # The driver left nothing behind on the shared instance: placement groups removed, resources free.

@@ -101,7 +101,7 @@ def test_colocated_engines_release_memory_for_training_and_take_it_back_at_the_w
         sup.release_memory()
         probe = await actor.probe.remote()
         assert probe["kv_cache_bytes"] == 0 and probe["released"] and probe["paused"]
-        await sup.push_weights(perturbed(tiny[0], 0.1), version=1)
+        assert (await sup.push_weights(perturbed(tiny[0], 0.1), version=1))["engine_memory_resumed"] == 1
         probe = await actor.probe.remote()
         assert not probe["released"] and not probe["paused"] and probe["weight_version"] == 1
         assert (await sup.generate(PROMPT, GREEDY)).weight_version == 1
