@@ -32,10 +32,12 @@ def ray_module() -> Any:
 
 def connect(cluster: ClusterConfig, needed_cpus: float) -> bool:
     """Initialise Ray unless it already is; returns whether this call started it."""
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # workers use this interpreter as is
+    if not cluster.ray_address:
+        loopback_only()
     ray = ray_module()
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # workers use this interpreter as is
     if cluster.ray_address:
         try:
             ray.init(address=cluster.ray_address, log_to_driver=True)
@@ -45,8 +47,15 @@ def connect(cluster: ClusterConfig, needed_cpus: float) -> bool:
         return True
     # Actors reserve logical CPUs for placement; a laptop with 2 cores still runs 4 tiny actors.
     ray.init(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)),
-             _node_ip_address="127.0.0.1", log_to_driver=True)
+             log_to_driver=True)
     return True
+
+
+def loopback_only() -> None:
+    """A Ray started here serves on 127.0.0.1 only. Ray otherwise swaps 127.0.0.1 for the routable
+    address and listens on every interface; with this switch (read when ray is first imported, and
+    inherited by its workers) the node address is loopback and its servers bind to it."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @dataclass

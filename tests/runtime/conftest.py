@@ -15,11 +15,14 @@ FAKE_GPUS = 4
 
 @pytest.fixture(scope="session")
 def ray_session():
-    import ray
+    from miles_agent.runtime.ray_cluster import loopback_only
 
+    loopback_only()  # before ray is imported
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ray.init(address="local", include_dashboard=False, num_cpus=16, num_gpus=FAKE_GPUS,
-             _node_ip_address="127.0.0.1", log_to_driver=False)
+    import ray
+
+    ray.init(address="local", include_dashboard=False, num_cpus=16, num_gpus=FAKE_GPUS, log_to_driver=False)
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     yield ray
     ray.shutdown()

@@ -102,6 +102,7 @@ def test_engines_killed_mid_rollout_lose_no_task(ray_session, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_twenty_engine_kills_lose_no_task(ray_session, tmp_path):
     run_under_fire(ray_session, tmp_path, kills=20, per_step=2)
 
