@@ -22,7 +22,14 @@ def ray_session():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import ray
 
-    ray.init(address="local", include_dashboard=False, num_cpus=16, num_gpus=FAKE_GPUS, log_to_driver=False)
+    for attempt in range(2):  # Ray gives its raylet a fixed 30 s to register; a busy machine can miss it once
+        try:
+            ray.init(address="local", include_dashboard=False, num_cpus=16, num_gpus=FAKE_GPUS, log_to_driver=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     yield ray
     ray.shutdown()
