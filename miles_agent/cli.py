@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from miles_agent.errors import UserError
+from miles_agent.errors import RunAborted, UserError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"miles-agent: error: {e}", file=sys.stderr)
         return e.exit_code
+    except RunAborted as e:  # a part died mid-run (trainer rank, engines past their restart budget)
+        print(f"miles-agent: run stopped: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("miles-agent: interrupted", file=sys.stderr)
         return 130
