@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 def test_cli_trains_two_steps_on_ray(ray_session, tmp_path):
     address = ray_session.get_runtime_context().gcs_address
@@ -34,3 +36,16 @@ def test_cli_trains_two_steps_on_ray(ray_session, tmp_path):
     while ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"]:
         assert time.monotonic() < deadline, ray.available_resources()
         time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_cli_starts_its_own_loopback_ray_when_given_no_address(tmp_path):
+    """No --ray-address: the driver starts Ray on this machine (loopback) and shuts it down at the end."""
+    cmd = [sys.executable, "-m", "miles_agent.cli", "train", "--env", "arith-tools", "--steps", "1",
+           "--run-dir", str(tmp_path), "--no-progress", "cluster.mode=ray", "model.warm_start=null",
+           "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "env.max_new_tokens_per_turn=8",
+           "env.max_turns=2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0] and records[0]["sync_engines"] == 1.0
