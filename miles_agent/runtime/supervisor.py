@@ -57,7 +57,7 @@ class EngineSupervisor:
         self._spawn = spawn
         self.interval, self.timeout, self.max_restarts = health_check_interval_s, health_check_timeout_s, max_restarts
         self._version = weight_version
-        self._weights: Any = None  # ObjectRef of the latest full weights: restarted engines load it
+        self._weights: list[Any] = []  # ObjectRefs of the current version's buckets: restarted engines load them
         self.stats = {"restarts": 0, "aborted_requests": 0}
         self._fatal: RunAborted | None = None
         self._slots = [_Slot(i, actor=spawn(i)) for i in range(num_engines)]
@@ -100,6 +100,7 @@ class EngineSupervisor:
         await self._each(lambda a: a.resume.remote())
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """One bucket of ``version`` (a transport may send several); see `push_weights`."""
         await self.push_weights(named_tensors, version)
 
     async def health(self) -> bool:
@@ -123,8 +124,10 @@ class EngineSupervisor:
 
     # -- weights ----------------------------------------------------------------------------------------
     async def push_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> dict[str, float]:
-        """Every live engine gets ``version`` (paused in place around the copy); engines restarting now
-        load it before they take requests."""
+        """Every live engine loads these tensors as ``version`` (paused in place around the copy).
+
+        Buckets of one version accumulate (a new version starts afresh), and an engine restarting now
+        loads all of them before it takes requests."""
         import ray
 
         self._bind()
@@ -132,11 +135,15 @@ class EngineSupervisor:
         tensors = [(n, t.detach().to("cpu")) for n, t in named_tensors]
         ref = ray.put(tensors)
         async with self._lock:
-            self._weights, self._version = ref, int(version)
+            if int(version) != self._version or not self._weights:
+                self._weights = []
+            self._weights.append(ref)
+            self._version = int(version)
             live = [s for s in self._slots if s.ready]
             done = await asyncio.gather(*(self._sync_one(s, s.actor, ref, int(version)) for s in live))
-        return {"sync_engines": float(sum(d is not None for d in done)),
-                "engine_memory_resumed": float(sum(bool(d) for d in done)),"sync_bytes": float(sum(t.numel() * t.element_size() for _, t in tensors)), "sync_buckets": 1.0,
+        return {"sync_bytes": float(sum(t.numel() * t.element_size() for _, t in tensors)), "sync_buckets": 1.0,
+                "sync_engines": float(sum(d is not None for d in done)),
+                "engine_memory_resumed": float(sum(bool(d) for d in done)),
                 "engine_restarts": float(self.stats["restarts"]),
                 "engine_aborted_requests": float(self.stats["aborted_requests"])}
 
@@ -220,8 +227,8 @@ class EngineSupervisor:
             try:
                 await asyncio.wait_for(actor.probe.remote(), STARTUP_TIMEOUT_S)
                 async with self._lock:  # a push in progress finishes first; then load what it pushed
-                    if self._weights is not None:
-                        await actor.update_weights.remote(self._weights, self._version)
+                    for ref in self._weights:
+                        await actor.update_weights.remote(ref, self._version)
                     slot.actor, slot.ready, slot.last_steps = actor, True, -1
                 return
             except (TimeoutError, *actor_failures()) as e:

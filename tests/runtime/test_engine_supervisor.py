@@ -48,8 +48,10 @@ def test_a_killed_engine_aborts_its_requests_and_comes_back_with_current_weights
     async def main():
         before = await sup.generate(PROMPT, GREEDY)
         assert len(before.output_ids) == 6 and before.weight_version == 0
-        metrics = await sup.push_weights(perturbed(tiny[0], 0.5), version=3)
-        assert metrics["sync_engines"] == 2
+        new = perturbed(tiny[0], 0.5)
+        await sup.push_weights(new[:5], version=3)  # two buckets of one version: a restart must load both
+        metrics = await sup.push_weights(new[5:], version=3)
+        assert metrics["sync_engines"] == 2 and len(sup._weights) == 2
         outs = [(await sup.generate(PROMPT, GREEDY)).output_ids for _ in range(2)]
         assert outs[0] == outs[1] and outs[0] != before.output_ids  # both engines serve version 3
         long = SamplingParams(max_new_tokens=2000, temperature=1.0)
