@@ -145,3 +145,25 @@ def check_branch(traj: Trajectory, conversation: list[dict[str, Any]], sampled_p
         if k == 0:
             assert traj.prompt_ids == expected[:len(expected) - len(out)]
     assert traj.tokens == expected
+
+
+class ScriptEngine:
+    """Replies with the given texts in order (each + EOS unless it is a Completion already); records sampling."""
+
+    def __init__(self, tokenizer: Any, replies: list[Any], version: int = 5) -> None:
+        self.tokenizer, self.replies, self.version = tokenizer, list(replies), version
+        self.sampling: list[SamplingParams] = []
+        self.inputs: list[list[int]] = []
+
+    async def generate(self, input_ids, sampling: SamplingParams, *, return_routed_experts=False) -> Completion:
+        self.sampling.append(sampling)
+        self.inputs.append(list(input_ids))
+        reply = self.replies.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        if isinstance(reply, Completion):
+            return reply
+        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        ids = ids[:sampling.max_new_tokens]
+        finish = FinishReason.STOP if ids[-1] == self.tokenizer.eos_token_id else FinishReason.LENGTH
+        return Completion(ids, [-0.125 * (i % 7) for i in range(len(ids))], finish, self.version, len(input_ids))
