@@ -114,8 +114,10 @@ class BlackBoxHarness(Harness):
             except Exception as e:  # noqa: BLE001 - the agent's failure is the episode's outcome
                 return AgentOutcome(error=f"{type(e).__name__}: {e}")
             return AgentOutcome()
+        # The proxy is on loopback: keep an HTTP(S)_PROXY of the host from intercepting the agent's calls.
+        no_proxy = ",".join(filter(None, ["127.0.0.1,localhost,::1", os.environ.get("NO_PROXY", "")]))
         env = {**os.environ, "OPENAI_BASE_URL": proxy.base_url, "OPENAI_API_KEY": proxy.api_key,
-               "MILES_ENV_URL": proxy.env_url, "MILES_TASK_ID": task.id}
+               "MILES_ENV_URL": proxy.env_url, "MILES_TASK_ID": task.id, "NO_PROXY": no_proxy, "no_proxy": no_proxy}
         return await run_command(self.agent, env, self.agent_timeout_s)
 
     async def _finish(self, task: Task, session: EnvSession, proxy: Session, tools: EnvTools,

@@ -129,15 +129,18 @@ def normalize_message(m: Any, index: int) -> dict[str, Any]:
         raise bad_request(f"{where}.role is {role!r}; use one of {', '.join(ROLES)}", f"{where}.role")
     out: dict[str, Any] = {"role": "system" if role == "developer" else role,
                            "content": _text(m.get("content"), f"{where}.content")}
+    if out["content"] is None and role != "assistant":
+        raise bad_request(f"{where} ({role}) has no content", f"{where}.content")
     if role == "assistant" and m.get("tool_calls"):
-        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(m["tool_calls"])]
+        calls = m["tool_calls"]
+        if not isinstance(calls, list):
+            raise bad_request(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls)]
     elif role == "tool":
         if m.get("tool_call_id") is not None:
             out["tool_call_id"] = str(m["tool_call_id"])
         if m.get("name") is not None:
             out["name"] = str(m["name"])
-    elif out["content"] is None and role != "assistant":
-        raise bad_request(f"{where} ({role}) has no content", f"{where}.content")
     return out
 
 

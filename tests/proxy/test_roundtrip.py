@@ -78,7 +78,7 @@ def test_real_local_engine_sessions_round_trip(tokenizer):
 
     async def main():
         try:
-            return await _fuzz(engine, tok, sessions=20, seed=7, concurrency=8, max_turns=3, max_new_tokens=24)
+            return await _fuzz(engine, tok, sessions=20, seed=7, concurrency=8, max_turns=3, max_new_tokens=16)
         finally:
             await engine.shutdown()
 
