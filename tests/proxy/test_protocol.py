@@ -205,3 +205,58 @@ def test_completions_extend_their_text_history_token_in_token_out(tokenizer):
     assert text.loss_mask == [1] * 7 + [0] * 7 + [1] * 7
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "!"
     assert chunks[-1].choices[0].finish_reason == "stop" and other.tokens == enc("Other!") + [eos]
+
+
+def test_stop_string_is_left_out_of_the_reply_but_kept_in_the_token_history(tokenizer):
+    enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+    hit = Completion(enc("abc END"), [-0.5] * 7, FinishReason.STOP, 5, 0, meta={"matched_stop": " END"})
+    engine = ScriptEngine(tokenizer, [hit, "next"])
+
+    async def body(server, s, c):
+        r = await c.chat.completions.create(model="m", messages=MSGS, stop=" END")
+        await c.chat.completions.create(model="m", messages=MSGS + [
+            {"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "go"}])
+        return r, s.trajectories()
+
+    r, (traj,) = serve(engine, tokenizer, body)
+    assert r.choices[0].message.content == "abc" and r.choices[0].finish_reason == "stop"
+    model, obs, _ = [traj.response_ids[sp.start:sp.end] for sp in traj.spans]
+    assert model == enc("abc END")  # sampled, kept
+    assert obs == enc("<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n")  # end marker added once
+
+
+def test_concurrent_requests_on_one_history_fork_branches_never_interleave(tokenizer):
+    class Slow(ScriptEngine):
+        async def generate(self, input_ids, sampling, *, return_routed_experts=False):
+            await asyncio.sleep(0.05)
+            return await super().generate(input_ids, sampling)
+
+    engine = Slow(tokenizer, ["one", "two"])
+
+    async def body(server, s, c):
+        await asyncio.gather(*[c.chat.completions.create(model="m", messages=MSGS) for _ in range(2)])
+        return s.trajectories()
+
+    a, b = serve(engine, tokenizer, body)
+    assert a.prompt_ids == b.prompt_ids and {a.num_turns, b.num_turns} == {1}
+    assert sorted([tokenizer.decode(a.response_ids), tokenizer.decode(b.response_ids)]) == \
+        ["one<|im_end|>", "two<|im_end|>"]
+
+
+def test_token_id_prompts_extend_by_exact_ids(tokenizer):
+    engine = ScriptEngine(tokenizer, ["x", "y"])
+
+    async def body(server, s, c):
+        await c.completions.create(model="m", prompt=[72, 105])
+        (t,) = s.trajectories()
+        await c.completions.create(model="m", prompt=t.tokens + [33, 33])
+        return s.trajectories()
+
+    (traj,) = serve(engine, tokenizer, body)
+    eos = tokenizer.eos_token_id
+    assert traj.tokens == [72, 105, ord("x"), eos, 33, 33, ord("y"), eos] and traj.loss_mask == [1, 1, 0, 0, 1, 1]
+
+
+def test_server_must_be_started_before_sessions(tokenizer):
+    with pytest.raises(RuntimeError, match="start the ProxyServer"):
+        ProxyServer(ScriptEngine(tokenizer, []), tokenizer).open_session()
