@@ -13,6 +13,7 @@ The HTTP server (aiohttp) is imported lazily: ``pip install 'miles-agent[proxy]'
 """
 
 from miles_agent.proxy.history import ProxyLimits, SessionHistory
-from miles_agent.proxy.server import ProxyServer, Session
+from miles_agent.proxy.server import ProxyServer
+from miles_agent.proxy.session import Session, ToolHost
 
-__all__ = ["ProxyLimits", "ProxyServer", "Session", "SessionHistory"]
+__all__ = ["ProxyLimits", "ProxyServer", "Session", "SessionHistory", "ToolHost"]

@@ -121,3 +121,37 @@ def test_missing_or_bad_agent_is_a_clear_user_error(tokenizer):
         BlackBoxHarness(tokenizer, HarnessLimits(), SamplingParams())
     with pytest.raises(UserError, match="cannot load the agent"):
         BlackBoxHarness(tokenizer, HarnessLimits(), SamplingParams(), agent="no_such_module:agent")
+
+
+WITHOUT_TORCH = r"""
+import sys
+sys.modules["torch"] = None  # any `import torch` now raises ImportError
+import asyncio
+from miles_agent.engine import SamplingParams
+from miles_agent.environment import HarnessLimits
+from miles_agent.envs.arith_tools import ArithToolsEnv
+from miles_agent.harnesses.blackbox import BlackBoxHarness
+from miles_agent.models.tokenizer import build_byte_tokenizer
+
+tok = build_byte_tokenizer()
+env = ArithToolsEnv()
+task = env.tasks()[0]
+harness = BlackBoxHarness(tok, HarnessLimits(), SamplingParams(),
+                          agent="miles_agent.harnesses.agents.openai_tool_loop:agent")
+async def main():
+    session = await env.open(task)
+    return await harness.run(task, session, env.oracle_policy(tok))
+(traj,) = asyncio.run(main())
+traj.validate()
+assert traj.reward == 1.0, (traj.reward, traj.metadata)
+assert "torch" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
+print("ok")
+"""
+
+
+def test_proxy_and_black_box_harness_run_without_torch():
+    """Environment workers without torch can host the proxy: the arith oracle plays through it for reward 1."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", WITHOUT_TORCH], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -260,3 +260,30 @@ def test_token_id_prompts_extend_by_exact_ids(tokenizer):
 def test_server_must_be_started_before_sessions(tokenizer):
     with pytest.raises(RuntimeError, match="start the ProxyServer"):
         ProxyServer(ScriptEngine(tokenizer, []), tokenizer).open_session()
+
+
+def test_template_that_drops_earlier_thinking_starts_a_new_branch(tokenizer):
+    """Qwen3-style templates strip <think> from earlier assistant turns: the render is not append-only, so the
+    proxy cannot extend the token history; it starts a fresh branch instead of corrupting the mask."""
+    import copy
+
+    qwen3ish = copy.deepcopy(tokenizer)
+    plain = "{{ message.content or '' }}"
+    assert plain in qwen3ish.chat_template
+    qwen3ish.chat_template = qwen3ish.chat_template.replace(
+        plain, "{{ (message.content or '') if loop.last else (message.content or '').split('</think>')[-1] }}")
+    engine = ScriptEngine(qwen3ish, ["<think>secret</think>visible", "second"])
+
+    async def body(server, s, c):
+        r = await c.chat.completions.create(model="m", messages=MSGS)
+        await c.chat.completions.create(model="m", messages=MSGS + [
+            r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}])
+        return s.trajectories()
+
+    first, second = serve(engine, qwen3ish, body)
+    assert (first.num_turns, second.num_turns) == (1, 1)
+    assert "not append-only" in second.metadata["branch_reason"]
+    assert "secret" not in qwen3ish.decode(second.prompt_ids) and "visible" in qwen3ish.decode(second.prompt_ids)
+    for t in (first, second):
+        t.reward = 1.0
+        t.validate()
