@@ -105,20 +105,21 @@ class SessionHistory:
         self._check_turns()
         tkey, keys = tools_key(tools), [message_key(m) for m in messages]
         branch = self._longest(lambda b: b.chat and b.tools_key == tkey and b.keys == keys[:len(b.keys)])
-        reason = "" if branch else self._divergence(keys, tkey)
-        if branch is not None:
+        pending = None
+        if branch is None:
+            reason = self._divergence(keys, tkey)
+        else:
             new = messages[len(branch.keys):]
             try:
                 obs = branch.renderer.observation_ids(branch.raw, [dict(m) for m in new], branch.stop_text)
-            except NotAppendOnly as e:
-                branch, reason = None, f"the chat template is not append-only here: {e}"
-            else:
                 pending = Pending(branch, False, obs, branch.traj.tokens + obs, messages=new)
-        if branch is None:
+            except NotAppendOnly as e:
+                reason = f"the chat template is not append-only here: {e}"
+        if pending is None:  # a new branch from one fresh render of the whole request
             renderer = ChatRenderer(self.tokenizer, tools)
             traj = Trajectory(prompt_ids=renderer.prompt_ids([dict(m) for m in messages]))
-            branch = Branch(len(self.branches), True, traj, renderer, tkey)
-            pending = Pending(branch, True, [], list(traj.prompt_ids), messages=list(messages), reason=reason)
+            pending = Pending(Branch(len(self.branches), True, traj, renderer, tkey), True, [],
+                              list(traj.prompt_ids), messages=list(messages), reason=reason)
         pending.parse_tools = parse_tools
         return self._reserve(pending)
 
@@ -136,7 +137,8 @@ class SessionHistory:
         else:
             ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
             branch = Branch(len(self.branches), False, Trajectory(prompt_ids=ids))
-            pending = Pending(branch, True, [], list(ids), reason="no earlier completion is a prefix")
+            reason = "no earlier completion is a prefix" if any(not b.chat for b in self.branches) else ""
+            pending = Pending(branch, True, [], list(ids), reason=reason)
         pending.prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
         pending.parse_tools = False
         return self._reserve(pending)

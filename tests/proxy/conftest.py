@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def one_torch_thread():
     """The tiny model gains nothing from intra-op threads on shared cores (see tests/rollout/conftest.py)."""
     torch = pytest.importorskip("torch")

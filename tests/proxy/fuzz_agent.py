@@ -57,7 +57,9 @@ async def fuzz_session(client: Any, rng: random.Random, max_turns: int = 5, name
             messages.append({"role": "tool", "tool_call_id": call["id"],
                              "content": f"{call['function']['name']} -> {rng.choice(UNICODE)}"})
         if not calls:
-            messages.append({"role": "user", "content": rng.choice(UNICODE) + " more?"})
+            text = rng.choice(UNICODE) + " more?"
+            parts = [{"type": "text", "text": text[:3]}, {"type": "text", "text": text[3:]}]
+            messages.append({"role": "user", "content": parts if rng.random() < 0.2 else text})
     return record
 
 
@@ -153,4 +155,6 @@ def _normal(m: dict[str, Any]) -> dict[str, Any]:
     out = dict(m)
     if out["role"] == "developer":
         out["role"] = "system"
+    if isinstance(out.get("content"), list):
+        out["content"] = "".join(p["text"] for p in out["content"])
     return out

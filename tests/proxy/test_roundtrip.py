@@ -65,7 +65,7 @@ def test_openai_sdk_fuzzed_sessions_round_trip(tokenizer):
     assert checked >= 40 and sum(s.turns for s, _ in results) >= 100
 
 
-def test_real_local_engine_sessions_round_trip(tokenizer):
+def test_real_local_engine_sessions_round_trip(tokenizer, one_torch_thread):
     """20 sessions against the embedded engine with the tiny model: arbitrary sampled bytes, same contract."""
     import torch
 
