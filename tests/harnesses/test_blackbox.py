@@ -11,9 +11,11 @@ import pytest
 from miles_agent.engine import Completion, FinishReason, SamplingParams
 from miles_agent.environment import HarnessLimits
 from miles_agent.envs.arith_tools import ArithToolsEnv
+from miles_agent.envs.arith_tools.env import CALC_TOOL
 from miles_agent.errors import UserError
 from miles_agent.harnesses.blackbox import AgentContext, BlackBoxHarness
 from miles_agent.rollout.episodes import EpisodeRunner
+from miles_agent.tito import ChatRenderer
 from miles_agent.types import SpanKind, Status
 
 pytest.importorskip("aiohttp")
@@ -61,6 +63,9 @@ def test_agent_program_plays_an_arith_episode_end_to_end(tokenizer):
     assert spans == policy.sampled and traj.metadata["agent_exit_code"] == 0
     text = tokenizer.decode(traj.tokens)
     assert "<tool_response>" in text and text.endswith("<answer>ans</answer><|im_end|>")
+    # the agent's first request renders to the very prompt the chat-tools harness would use
+    task = ArithToolsEnv(num_tasks=8).tasks("train")[0]
+    assert traj.prompt_ids == ChatRenderer(tokenizer, [CALC_TOOL]).prompt_ids([dict(m) for m in task.messages])
 
 
 def test_async_function_agent_with_streaming_gets_the_same_reward(tokenizer):
@@ -130,6 +135,7 @@ import asyncio
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import HarnessLimits
 from miles_agent.envs.arith_tools import ArithToolsEnv
+from miles_agent.envs.arith_tools.env import CALC_TOOL
 from miles_agent.harnesses.blackbox import BlackBoxHarness
 from miles_agent.models.tokenizer import build_byte_tokenizer
 
