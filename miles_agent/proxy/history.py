@@ -160,6 +160,9 @@ class SessionHistory:
             b.traj.append_observation(pending.observation, turn)
         aborted = c.finish_reason is FinishReason.ABORT
         b.traj.append_model(c.output_ids, c.output_logprobs, c.weight_version, turn, trainable=not aborted)
+        # The latest call's routing covers the whole branch (its input was the branch's every token).
+        routing = c.routed_experts
+        b.traj.routed_experts = routing if routing is not None and len(routing) == len(b.traj.tokens) - 1 else None
         self.turns += 1
         self.aborted = self.aborted or aborted
         self.last = b

@@ -39,12 +39,15 @@ class ProxyServer:
     ``sampling`` is the base of every request's sampling (stop ids of the tokenizer are always added);
     with ``honor_client_sampling=False`` the client's temperature/top_p/top_k/seed are ignored, as training
     needs (the trainer's logprobs assume the rollout temperature). ``max_tokens`` is always capped by
-    ``limits.max_new_tokens_per_turn``. Use as ``async with ProxyServer(engine, tokenizer) as server``.
+    ``limits.max_new_tokens_per_turn``. With ``return_routed_experts`` (MoE) each branch's trajectory carries
+    the routing of its latest call, which covers every token of the branch (R3 replay).
+    Use as ``async with ProxyServer(engine, tokenizer) as server``.
     """
 
     def __init__(self, engine: Policy, tokenizer: Any, *, host: str = "127.0.0.1", port: int = 0,
                  sampling: SamplingParams | None = None, limits: ProxyLimits | None = None,
-                 honor_client_sampling: bool = True, model_name: str = "miles-policy") -> None:
+                 honor_client_sampling: bool = True, model_name: str = "miles-policy",
+                 return_routed_experts: bool = False) -> None:
         from miles_agent.models.tokenizer import stop_token_ids
 
         self.engine, self.tokenizer, self.host, self.port = engine, tokenizer, host, port
@@ -54,6 +57,7 @@ class ProxyServer:
         self.limits = limits or ProxyLimits()
         self.honor_client_sampling = honor_client_sampling
         self.model_name = model_name
+        self.return_routed_experts = return_routed_experts  # MoE: record routing for R3 replay
         self.sessions: dict[str, Session] = {}
         self._runner: Any = None
 
@@ -102,7 +106,8 @@ class ProxyServer:
         sid = uuid.uuid4().hex
         session = Session(session_id=sid, base_url=f"{self.url}/sessions/{sid}/v1", policy=policy or self.engine,
                           tokenizer=self.tokenizer, limits=limits or self.limits, sampling=self.sampling,
-                          honor_client_sampling=self.honor_client_sampling, tool_host=tool_host)
+                          honor_client_sampling=self.honor_client_sampling, tool_host=tool_host,
+                          return_routed_experts=self.return_routed_experts)
         self.sessions[sid] = session
         return session
 

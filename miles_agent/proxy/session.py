@@ -32,7 +32,8 @@ class Session:
     """An episode's endpoint: ``base_url`` (``.../sessions/{id}/v1``) and ``api_key`` go to the agent."""
 
     def __init__(self, *, session_id: str, base_url: str, policy: Policy, tokenizer: Any, limits: ProxyLimits,
-                 sampling: SamplingParams, honor_client_sampling: bool, tool_host: ToolHost | None = None) -> None:
+                 sampling: SamplingParams, honor_client_sampling: bool, tool_host: ToolHost | None = None,
+                 return_routed_experts: bool = False) -> None:
         self.id = session_id
         self.api_key = "sk-miles-" + secrets.token_urlsafe(24)
         self.base_url = base_url
@@ -43,6 +44,7 @@ class Session:
         self.sampling = sampling
         self.honor_client_sampling = honor_client_sampling
         self.tool_host = tool_host
+        self.return_routed_experts = return_routed_experts
         self.history = SessionHistory(tokenizer, limits, sampling.stop_token_ids)
         self.closed = False
 
@@ -79,7 +81,8 @@ class Session:
     async def _generate(self, pending: Pending, client: ClientSampling) -> Turn:
         sampling = self._sampling(client, len(pending.input_ids))
         try:
-            completion = await self.policy.generate(pending.input_ids, sampling)
+            completion = await self.policy.generate(pending.input_ids, sampling,
+                                                    return_routed_experts=self.return_routed_experts)
         except BaseException as e:
             self.history.release(pending)
             if isinstance(e, Exception):

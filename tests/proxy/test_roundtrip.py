@@ -130,3 +130,32 @@ class _Replies:
 
         ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]
         return Completion(ids, [-0.25] * len(ids), FinishReason.STOP, 2, prompt_tokens=len(input_ids))
+
+
+def test_moe_routing_is_recorded_for_every_token_of_a_branch(tokenizer, one_torch_thread):
+    """R3: with return_routed_experts the trajectory carries the engine's routing, (len(tokens) - 1, L, k)."""
+    from miles_agent.models.builder import build_tiny
+    from miles_agent.rollout.local import LocalEngine
+
+    model, tok = build_tiny("tiny-qwen3-moe")
+    policy = RecordingPolicy(LocalEngine(model, tok, max_batch_size=2))
+
+    async def main():
+        limits = ProxyLimits(max_new_tokens_per_turn=6)
+        async with ProxyServer(policy, tok, limits=limits, return_routed_experts=True) as server:
+            s = server.open_session()
+            async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0) as c:
+                msgs = [{"role": "user", "content": "hi"}]
+                r = await c.chat.completions.create(model="m", messages=msgs)
+                msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": "again"}]
+                await c.chat.completions.create(model="m", messages=msgs)
+        await policy.inner.shutdown()
+        return s.trajectories()
+
+    (traj,) = asyncio.run(main())
+    traj.reward = 0.0
+    traj.validate()
+    last = policy.calls[tuple(traj.tokens[:len(traj.prompt_ids) + traj.spans[-1].start])]  # the 2nd call
+    assert traj.routed_experts.shape[0] == len(traj.tokens) - 1 and traj.num_turns == 2
+    assert (traj.routed_experts == last.routed_experts).all()
