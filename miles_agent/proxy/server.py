@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -59,6 +60,7 @@ class ProxyServer:
         self.model_name = model_name
         self.return_routed_experts = return_routed_experts  # MoE: record routing for R3 replay
         self.sessions: dict[str, Session] = {}
+        self._deadlines: dict[str, float] = {}  # session id -> monotonic time it stops serving
         self._runner: Any = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -99,8 +101,12 @@ class ProxyServer:
 
     # -- sessions -------------------------------------------------------------------------------------
     def open_session(self, *, policy: Policy | None = None, limits: ProxyLimits | None = None,
-                     tool_host: ToolHost | None = None) -> Session:
-        """A new episode endpoint with its own secret; ``policy`` overrides the server's engine for it."""
+                     tool_host: ToolHost | None = None, ttl_s: float | None = None) -> Session:
+        """A new episode endpoint with its own secret; ``policy`` overrides the server's engine for it.
+
+        ``ttl_s``: the session stops serving that many seconds after opening (404), so an owner that never
+        closes it cannot leak it in a long-lived server.
+        """
         if self._runner is None:
             raise RuntimeError("start the ProxyServer (async with ProxyServer(...)) before opening sessions")
         sid = uuid.uuid4().hex
@@ -108,13 +114,24 @@ class ProxyServer:
                           tokenizer=self.tokenizer, limits=limits or self.limits, sampling=self.sampling,
                           honor_client_sampling=self.honor_client_sampling, tool_host=tool_host,
                           return_routed_experts=self.return_routed_experts)
+        self._reap()
         self.sessions[sid] = session
+        if ttl_s is not None:
+            self._deadlines[sid] = time.monotonic() + ttl_s
         return session
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for sid in [sid for sid, t in self._deadlines.items() if t <= now]:
+            self._deadlines.pop(sid)
+            if sid in self.sessions:
+                self.close_session(self.sessions[sid])
 
     def close_session(self, session: Session) -> None:
         """Stop serving a session (its trajectories stay readable on the object)."""
         session.closed = True
         self.sessions.pop(session.id, None)
+        self._deadlines.pop(session.id, None)
 
     # -- handlers -------------------------------------------------------------------------------------
     def _guard(self, handler: Callable[[Session, Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
@@ -129,6 +146,7 @@ class ProxyServer:
         return guarded
 
     def _authorize(self, request: Any) -> Session:
+        self._reap()
         session = self.sessions.get(request.match_info["sid"])
         if session is None:
             raise ProxyError(404, "no such session (it was never opened, or its episode has ended)",

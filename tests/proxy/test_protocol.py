@@ -287,3 +287,17 @@ def test_template_that_drops_earlier_thinking_starts_a_new_branch(tokenizer):
     for t in (first, second):
         t.reward = 1.0
         t.validate()
+
+
+def test_a_session_past_its_ttl_stops_serving(tokenizer):
+    async def body(server, s, c):
+        short = server.open_session(ttl_s=0.2)
+        await asyncio.sleep(0.3)
+        async with openai.AsyncOpenAI(base_url=short.base_url, api_key=short.api_key, max_retries=0) as sc:
+            with pytest.raises(openai.NotFoundError):
+                await sc.models.list()
+        await c.models.list()  # sessions without a ttl are unaffected
+        return short, server
+
+    short, server = serve(ScriptEngine(tokenizer, []), tokenizer, body)
+    assert short.closed
