@@ -301,3 +301,17 @@ def test_a_session_past_its_ttl_stops_serving(tokenizer):
 
     short, server = serve(ScriptEngine(tokenizer, []), tokenizer, body)
     assert short.closed
+
+
+def test_changing_the_tools_mid_session_starts_a_new_branch(tokenizer):
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+
+    async def body(server, s, c):
+        r = await c.chat.completions.create(model="m", messages=MSGS, tools=[tool])
+        follow = MSGS + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+        await c.chat.completions.create(model="m", messages=follow)  # same history, tools dropped
+        return s.trajectories()
+
+    a, b = serve(ScriptEngine(tokenizer, ["one", "two"]), tokenizer, body)
+    assert "tools differ" in b.metadata["branch_reason"]
+    assert "# Tools" in tokenizer.decode(a.prompt_ids) and "# Tools" not in tokenizer.decode(b.prompt_ids)
