@@ -20,6 +20,7 @@ import importlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -170,6 +171,9 @@ def resolve_agent(agent: str | AgentFn) -> list[str] | AgentFn:
     argv = shlex.split(agent)
     if argv[0] in ("python", "python3"):
         argv[0] = sys.executable
+    if shutil.which(argv[0]) is None:
+        raise UserError(f"the agent command {argv[0]!r} (env.agent) is not an executable on PATH; give a path "
+                        "to the program or module:function of an async agent")
     return argv
 
 

@@ -126,6 +126,8 @@ def test_missing_or_bad_agent_is_a_clear_user_error(tokenizer):
         BlackBoxHarness(tokenizer, HarnessLimits(), SamplingParams())
     with pytest.raises(UserError, match="cannot load the agent"):
         BlackBoxHarness(tokenizer, HarnessLimits(), SamplingParams(), agent="no_such_module:agent")
+    with pytest.raises(UserError, match="not an executable on PATH"):
+        BlackBoxHarness(tokenizer, HarnessLimits(), SamplingParams(), agent="no-such-agent-binary --go")
 
 
 WITHOUT_TORCH = r"""
