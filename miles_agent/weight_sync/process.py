@@ -1,0 +1,196 @@
+"""A rollout engine in a separate OS process, driven through the same weight-update API as an SGLang server.
+
+`EngineProcess` spawns a child that builds its model (``model_fn``, a picklable callable), wraps it in a
+`LocalEngine` and a `LocalReceiver`, and serves requests -- every `WeightReceiver` method plus
+``generate`` -- over a pipe, one at a time. It is the embedded stand-in for a remote engine: the shm,
+distributed and disk transports cross a real process boundary with it, and a Ray actor can host the
+same receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import multiprocessing as mp
+import os
+import time
+import weakref
+from typing import Any
+
+from miles_agent.engine import Completion, SamplingParams
+from miles_agent.weight_sync.core import WeightSyncError
+from miles_agent.weight_sync.receiver import DEFAULT_GROUP
+
+
+def tiny_model(arch: str = "tiny-qwen3", seed: int = 0, dtype: str = "float32") -> Any:
+    """A picklable model_fn: the built-in tiny architecture (its tokenizer is not needed to serve ids)."""
+    from miles_agent.models.builder import build_tiny
+
+    return build_tiny(arch, seed=seed, dtype=dtype)[0]
+
+
+def tiny_model_fn(arch: str = "tiny-qwen3", seed: int = 0, dtype: str = "float32") -> functools.partial:
+    return functools.partial(tiny_model, arch, seed, dtype)
+
+
+def _serve(conn: Any, model_fn: Any, device: str, max_batch_size: int, num_threads: int | None) -> None:
+    """Child main: build the engine, then answer (method, kwargs) requests until told to stop."""
+    import torch
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    from miles_agent.rollout.local import LocalEngine
+    from miles_agent.weight_sync.receiver import LocalReceiver
+
+    try:
+        engine = LocalEngine(model_fn(), None, max_batch_size=max_batch_size, device=device)
+        receiver = LocalReceiver(engine)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", f"building the engine failed: {type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", os.getpid()))
+
+    async def handle(method: str, kwargs: dict[str, Any]) -> Any:
+        if method == "generate":
+            return await engine.generate(kwargs["input_ids"], kwargs.get("sampling"))
+        if method == "weight_version":
+            return engine.weight_version
+        return await getattr(receiver, method)(**kwargs)
+
+    async def loop() -> None:
+        while True:
+            msg = await asyncio.to_thread(conn.recv)
+            if msg is None:
+                break
+            method, kwargs = msg
+            try:
+                reply = ("ok", await handle(method, kwargs))
+            except Exception as e:  # noqa: BLE001 - every failure goes back to the caller by name
+                reply = ("error", f"{type(e).__name__}: {e}")
+            conn.send(reply)
+        await engine.shutdown()
+
+    asyncio.run(loop())
+
+
+class EngineProcess:
+    """Client of one engine process; its async methods are the `WeightReceiver` API plus ``generate``."""
+
+    def __init__(self, model_fn: Any, *, device: str = "cpu", max_batch_size: int = 8,
+                 start_method: str = "spawn", num_threads: int | None = None, start_timeout_s: float = 120.0,
+                 call_timeout_s: float = 600.0) -> None:
+        self.model_fn = model_fn
+        self.num_threads = num_threads  # torch intra-op threads in the child; None = torch's default
+        self.start_method = start_method  # spawn is safe with CUDA and threads; fork starts in a fraction
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.start_timeout_s = start_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.pid: int | None = None
+        self._proc: Any = None
+        self._conn: Any = None
+        self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one lock per calling loop
+
+    def start(self) -> EngineProcess:
+        """Start the child and wait until its engine is built."""
+        ctx = mp.get_context(self.start_method)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, self.model_fn, self.device, self.max_batch_size, self.num_threads),
+                                 daemon=True, name="miles-engine")
+        self._proc.start()
+        child.close()
+        kind, value = self._recv(self.start_timeout_s, "starting")
+        if kind != "ready":
+            self.close()
+            raise WeightSyncError(f"engine process failed to start: {value}")
+        self.pid = value
+        return self
+
+    def close(self) -> None:
+        """Stop the child (politely, then by force) and release the pipe."""
+        if self._proc is None:
+            return
+        try:
+            if self._proc.is_alive():
+                self._conn.send(None)
+                self._proc.join(10)
+        except (OSError, BrokenPipeError):
+            pass
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._conn.close()
+        self._proc = None
+
+    def __enter__(self) -> EngineProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the requests --------------------------------------------------------------------------------
+    async def call(self, method: str, **kwargs: Any) -> Any:
+        if self._proc is None:
+            raise WeightSyncError(f"{method}: the engine process is not running (call start() first)")
+        lock = self._locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+        async with lock:  # one request in flight per engine, answered in order
+            self._conn.send((method, kwargs))
+            kind, value = await asyncio.to_thread(self._recv, self.call_timeout_s, method)
+        if kind == "error":
+            raise WeightSyncError(f"engine process (pid {self.pid}) {method}: {value}")
+        return value
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None) -> Completion:
+        return await self.call("generate", input_ids=list(input_ids), sampling=sampling)
+
+    async def weight_version(self) -> int:
+        return await self.call("weight_version")
+
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        await self.call("pause_generation", mode=mode)
+
+    async def continue_generation(self) -> None:
+        await self.call("continue_generation")
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[bytes], load_format: str | None = None,
+                                         flush_cache: bool = True, weight_version: str | None = None) -> None:
+        await self.call("update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors,
+                        load_format=load_format, flush_cache=flush_cache, weight_version=weight_version)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = DEFAULT_GROUP,
+                                        backend: str = "nccl") -> None:
+        await self.call("init_weights_update_group", master_address=master_address, master_port=master_port,
+                        rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None) -> None:
+        await self.call("update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
+                        group_name=group_name, flush_cache=flush_cache, weight_version=weight_version,
+                        load_format=load_format)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        await self.call("destroy_weights_update_group", group_name=group_name)
+
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                       weight_version: str | None = None) -> None:
+        await self.call("update_weights_from_disk", model_path=model_path, load_format=load_format,
+                        weight_version=weight_version)
+
+    async def check_weights(self, action: str = "checksum") -> dict[str, Any]:
+        return await self.call("check_weights", action=action)
+
+    def _recv(self, timeout_s: float, what: str) -> tuple[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive():
+                raise WeightSyncError(f"engine process (pid {self._proc.pid}) exited with code "
+                                      f"{self._proc.exitcode} during {what}")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"engine process gave no answer to {what} within {timeout_s:.0f} s")
+        try:
+            return self._conn.recv()
+        except EOFError as e:
+            raise WeightSyncError(f"engine process closed its pipe during {what}") from e

@@ -1,0 +1,195 @@
+"""The engine side of a weight sync, shaped like SGLang's server endpoints so one set of transports
+drives every engine: an in-process `LocalEngine` (through `LocalReceiver`), a `LocalEngine` in another
+process (`miles_agent.weight_sync.process.EngineProcess`), or an SGLang server (its HTTP client).
+
+Method and argument names follow SGLang's ``io_struct`` request types:
+``update_weights_from_tensor`` (UpdateWeightsFromTensorReqInput), ``init_weights_update_group``
+(InitWeightsUpdateGroupReqInput), ``update_weights_from_distributed``
+(UpdateWeightsFromDistributedReqInput), ``update_weights_from_disk`` (UpdateWeightFromDiskReqInput),
+``destroy_weights_update_group``, ``check_weights`` (``/weights_checker``, action ``checksum``),
+``pause_generation`` / ``continue_generation``. A failed request raises (an HTTP client turns SGLang's
+``success: false`` into `WeightSyncError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from miles_agent.engine import PauseMode, RolloutEngine
+from miles_agent.weight_sync.core import TensorMeta, WeightSyncError, bucket_metadata, module_checksums, unpack
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+DEFAULT_GROUP = "weight_update_group"
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """What a transport calls on an engine (SGLang's weight-update endpoints, as async methods)."""
+
+    async def pause_generation(self, mode: str = "in_place") -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[bytes], load_format: str | None = None,
+                                         flush_cache: bool = True, weight_version: str | None = None) -> None: ...
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = DEFAULT_GROUP,
+                                        backend: str = "nccl") -> None: ...
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None) -> None: ...
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None: ...
+
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                       weight_version: str | None = None) -> None: ...
+
+    async def check_weights(self, action: str = "checksum") -> dict[str, Any]: ...
+
+
+class LocalReceiver:
+    """SGLang's weight-update API over a `RolloutEngine` whose ``model`` is a torch module (LocalEngine).
+
+    Serialized tensors are unpickled with torch's multiprocessing reductions (shared-memory storages on
+    CPU, CUDA IPC handles on GPU), so only a trusted local trainer may call ``update_weights_from_tensor``.
+    """
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+        self._groups: dict[str, Any] = {}
+        self._shared: Any = None  # the last shared buffer, kept so its mapping is reused by the next bucket
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.engine.model.parameters())).device
+
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        await self.engine.pause(PauseMode(mode))
+
+    async def continue_generation(self) -> None:
+        await self.engine.resume()
+
+    async def get_weight_version(self) -> str:
+        return str(self.engine.weight_version)
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[bytes], load_format: str | None = None,
+                                         flush_cache: bool = True, weight_version: str | None = None) -> None:
+        import base64
+
+        import torch.multiprocessing  # noqa: F401 - registers the reductions that rebuild shared tensors
+
+        if not serialized_named_tensors:
+            raise WeightSyncError("update_weights_from_tensor: serialized_named_tensors is empty")
+        data = serialized_named_tensors[0]  # one entry per tensor-parallel rank; this engine is rank 0
+        payload = pickle.loads(base64.b64decode(data) if isinstance(data, str) else data)
+        if load_format == "flattened_bucket":
+            flat = payload["flattened_tensor"]
+            self._shared = flat
+            items = unpack(flat, [_meta(m) for m in payload["metadata"]])
+        elif load_format is None:
+            items = list(payload)
+        else:
+            raise WeightSyncError(f"update_weights_from_tensor: unknown load_format {load_format!r} "
+                                  "(expected None or 'flattened_bucket')")
+        await self._load(items, weight_version)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = DEFAULT_GROUP,
+                                        backend: str = "nccl") -> None:
+        from miles_agent.weight_sync.dist import init_custom_process_group
+
+        if group_name in self._groups:
+            raise WeightSyncError(f"weight update group {group_name!r} already exists on this engine; "
+                                  "destroy it first (destroy_weights_update_group)")
+        self._groups[group_name] = await asyncio.to_thread(
+            init_custom_process_group, backend, master_address, master_port, rank_offset, world_size, group_name)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if group_name not in self._groups:
+            raise WeightSyncError(f"no weight update group {group_name!r} on this engine; call "
+                                  "init_weights_update_group first")
+        group = self._groups[group_name]
+        metas = bucket_metadata(names, dtypes, shapes)
+        if load_format == "flattened_bucket":
+            flat = torch.empty(metas[-1].end_idx if metas else 0, dtype=torch.uint8, device=self.device)
+            await asyncio.to_thread(dist.broadcast, flat, 0, group)
+            items = unpack(flat, metas)
+        elif load_format is None:  # one broadcast per tensor, in the announced order
+            items = [(m.name, torch.empty(m.shape, dtype=getattr(torch, m.dtype), device=self.device))
+                     for m in metas]
+            for _, t in items:
+                await asyncio.to_thread(dist.broadcast, t, 0, group)
+        else:
+            raise WeightSyncError(f"update_weights_from_distributed: unknown load_format {load_format!r}")
+        await self._load(items, weight_version)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        from miles_agent.weight_sync.dist import destroy_group
+
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            raise WeightSyncError(f"no weight update group {group_name!r} to destroy")
+        destroy_group(group)
+
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                       weight_version: str | None = None) -> None:
+        from safetensors.torch import load_file
+
+        files = safetensors_files(Path(model_path))
+        for f in files:  # one shard at a time bounds the extra memory to the largest shard
+            await self._load(list(load_file(str(f)).items()), weight_version)
+
+    async def check_weights(self, action: str = "checksum") -> dict[str, Any]:
+        if action != "checksum":
+            raise WeightSyncError(f"check_weights: only action='checksum' is supported, got {action!r}")
+        return {"checksums": await asyncio.to_thread(module_checksums, self.engine.model)}
+
+    async def _load(self, items: Iterable[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+        version = self.engine.weight_version if weight_version is None else int(weight_version)
+        await self.engine.update_weights(list(items), version)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shards of an HF-style weights folder: those its index names, else every *.safetensors."""
+    if not folder.is_dir():
+        raise WeightSyncError(f"update_weights_from_disk: {folder} is not a folder")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.is_file()]
+    if missing or not files:
+        raise WeightSyncError(f"update_weights_from_disk: {folder} lacks safetensors files "
+                              f"({', '.join(missing) or 'none found'})")
+    return files
+
+
+def _meta(m: Any) -> TensorMeta:
+    """Flat-bucket metadata from our TensorMeta, SGLang's FlattenedTensorMetadata, or a plain dict."""
+    get = m.get if isinstance(m, dict) else lambda k: getattr(m, k)
+    dtype = get("dtype")
+    dtype = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    return TensorMeta(get("name"), tuple(get("shape")), dtype, int(get("start_idx")), int(get("end_idx")),
+                      int(get("numel")))
