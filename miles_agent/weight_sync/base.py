@@ -15,7 +15,13 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from miles_agent.engine import PauseMode
-from miles_agent.weight_sync.core import NameMap, WeightSyncError, compare_checksums, identity, tensor_checksum
+from miles_agent.weight_sync.core import (
+    NameMap,
+    WeightSyncError,
+    compare_checksums,
+    identity,
+    tensor_checksum,
+)
 from miles_agent.weight_sync.receiver import WeightReceiver
 
 if TYPE_CHECKING:  # pragma: no cover

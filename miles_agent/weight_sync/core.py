@@ -98,8 +98,10 @@ def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def bucket_metadata(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[TensorMeta]:
-    """Byte ranges of each tensor in a flat bucket, from what the sender announced."""
+def bucket_metadata(names: list[str], dtypes: list[str], shapes: list[list[int]], flat: bool = True
+                    ) -> list[TensorMeta]:
+    """Byte ranges of each tensor in a flat bucket, from what the sender announced (``flat=False``: the
+    tensors travel one by one, so a byte offset need not suit the dtype)."""
     import torch
 
     metas, offset = [], 0
@@ -112,7 +114,7 @@ def bucket_metadata(names: list[str], dtypes: list[str], shapes: list[list[int]]
         for d in shape:
             numel *= int(d)
         size = numel * dt.itemsize
-        if offset % dt.itemsize:
+        if flat and offset % dt.itemsize:
             raise WeightSyncError(f"tensor {name!r} starts at byte {offset}, not a multiple of its "
                                   f"{dtype} element size; the sender must split buckets at dtype changes")
         metas.append(TensorMeta(name, tuple(int(d) for d in shape), dtype, offset, offset + size, size))

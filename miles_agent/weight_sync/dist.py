@@ -4,11 +4,18 @@ group of its own (gloo on CPU, NCCL on GPU), shaped like SGLang's ``init_weights
 
 Handshake: the trainer asks every engine to join group ``group_name`` at master address/port with
 ``rank_offset`` (engine i is rank 1 + i; the trainer is rank 0) and ``world_size`` = 1 + engines, while
-joining it itself. Per bucket it announces names, dtypes and shapes (``load_format="flattened_bucket"``),
-then broadcasts the bucket as one uint8 tensor; each engine allocates the same buffer from the
-announcement, receives, and loads. The group is separate from any trainer process group (it is built
-the way SGLang's engines build theirs, a TCP rendezvous and a group-name key prefix, so a real SGLang
-server can join a trainer's group). Extra memory: one bucket on each side.
+joining it itself. Per bucket it announces names, dtypes and shapes, then broadcasts:
+
+- ``flatten=False`` (default): one broadcast per tensor, straight from the trainer's tensor into the
+  engine's parameter when dtype and shape match -- no copy on either side (SGLang's default load format,
+  where the engine loads from a received copy instead). Extra memory: none on the trainer's side (gloo
+  with GPU weights stages one tensor on the host), mismatching tensors of one bucket on the engine's.
+- ``flatten=True``: the bucket packed into one uint8 tensor (``load_format="flattened_bucket"``), one
+  broadcast per bucket, one copy on each side; fewer collectives when there are many small tensors.
+  Extra memory: one bucket on each side.
+
+The group is separate from any trainer process group (it is built the way SGLang's engines build
+theirs, a TCP rendezvous and a group-name key prefix, so a real SGLang server can join a trainer's group).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from miles_agent.weight_sync.base import EngineTransport
-from miles_agent.weight_sync.core import WeightSyncError, flat_buckets, pack
+from miles_agent.weight_sync.core import WeightSyncError, bucket_metadata, dtype_name, flat_buckets, pack
 from miles_agent.weight_sync.receiver import DEFAULT_GROUP, WeightReceiver
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,7 +75,7 @@ class DistributedTransport(EngineTransport):
 
     def __init__(self, engines: list[WeightReceiver], *, backend: str = "gloo", master_address: str = "127.0.0.1",
                  master_port: int = 0, group_name: str = DEFAULT_GROUP, timeout_s: float = 300.0,
-                 **kwargs: Any) -> None:
+                 flatten: bool = False, **kwargs: Any) -> None:
         super().__init__(engines, **kwargs)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -77,6 +84,7 @@ class DistributedTransport(EngineTransport):
         self.master_port = master_port
         self.group_name = group_name
         self.timeout_s = timeout_s
+        self.flatten = flatten
         self.group: Any = None
         self.active_group = group_name  # a broken group is abandoned and the next one gets a new name
         self._formed = 0
@@ -106,41 +114,61 @@ class DistributedTransport(EngineTransport):
 
     async def _send(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         import torch
-        import torch.distributed as dist
 
         if self.group is None:
             await self.connect()
         device = torch.device("cuda" if self.backend == "nccl" else "cpu")
-        if self._staging is None:
+        if self.flatten and self._staging is None:
             self._staging = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
         total, n = 0, 0
         for bucket in flat_buckets(named_tensors, self.bucket_bytes):
-            flat, metas = pack(bucket, out=self._staging)
+            if self.flatten:
+                flat, metas = pack(bucket, out=self._staging)
+                wire = [flat]
+            else:
+                metas = bucket_metadata([name for name, _ in bucket], [dtype_name(t) for _, t in bucket],
+                                        [list(t.shape) for _, t in bucket])
+                wire = [outgoing(name, t, device) for name, t in bucket]
             if self.backend == "nccl":
                 torch.cuda.current_stream().synchronize()
             announce = dict(names=[m.name for m in metas], dtypes=[m.dtype for m in metas],
                             shapes=[list(m.shape) for m in metas], group_name=self.active_group,
-                            weight_version=str(version), load_format="flattened_bucket")
+                            weight_version=str(version), load_format="flattened_bucket" if self.flatten else None)
             receives = [asyncio.ensure_future(e.update_weights_from_distributed(**announce)) for e in self.engines]
-            send = asyncio.ensure_future(asyncio.to_thread(dist.broadcast, flat, 0, self.group))
+            send = asyncio.ensure_future(asyncio.to_thread(_broadcast_all, wire, self.group))
             try:
                 await _all_or_first_error([send, *receives], f"bucket {n} (first tensor {metas[0].name!r})")
             except WeightSyncError:
+                if not send.done():  # an engine failed first: did our side of the broadcast finish anyway?
+                    await asyncio.wait([send], timeout=10.0)
                 if not (send.done() and not send.cancelled() and send.exception() is None):
                     self.group = None  # a half-done broadcast leaves the group unusable
                 raise
-            total += flat.numel()
+            total += metas[-1].end_idx
             n += 1
         return {"sync_bytes": float(total), "sync_buckets": float(n)}
 
 
+def outgoing(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The tensor as it goes on the wire: on the group's device, contiguous (no copy when it already is)."""
+    return t.to(device).contiguous()
+
+
+def _broadcast_all(tensors: list[torch.Tensor], group: Any) -> None:
+    import torch.distributed as dist
+
+    for t in tensors:
+        dist.broadcast(t, 0, group)
+
+
 async def _all_or_first_error(futures: list[asyncio.Future], what: str) -> None:
-    """Wait for all; if any fails first, raise at once (a peer stuck in a collective would never return)."""
+    """Wait for all; if any fails first, raise at once (a peer stuck in a collective would never return).
+    Pending ones are left running (a thread in a collective cannot be cancelled); their errors are consumed."""
     done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
     for i, f in enumerate(futures):
         if f in done and f.exception() is not None:
             for p in pending:
-                p.cancel()
+                p.add_done_callback(lambda p: p.cancelled() or p.exception())
             who = "trainer" if i == 0 else f"engine {i - 1}"
             err = f.exception()
             raise WeightSyncError(f"distributed weight sync failed while {what}: {who}: "

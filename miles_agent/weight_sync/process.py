@@ -33,17 +33,20 @@ def tiny_model_fn(arch: str = "tiny-qwen3", seed: int = 0, dtype: str = "float32
     return functools.partial(tiny_model, arch, seed, dtype)
 
 
-def _serve(conn: Any, model_fn: Any, device: str, max_batch_size: int, num_threads: int | None) -> None:
+def _serve(conn: Any, model_fn: Any, device: str, max_batch_size: int, num_threads: int | None,
+           serve: bool) -> None:
     """Child main: build the engine, then answer (method, kwargs) requests until told to stop."""
     import torch
 
     if num_threads:
         torch.set_num_threads(num_threads)
     from miles_agent.rollout.local import LocalEngine
-    from miles_agent.weight_sync.receiver import LocalReceiver
+    from miles_agent.weight_sync.receiver import LocalReceiver, ModelHolder
 
     try:
-        engine = LocalEngine(model_fn(), None, max_batch_size=max_batch_size, device=device)
+        model = model_fn()
+        engine = (LocalEngine(model, None, max_batch_size=max_batch_size, device=device) if serve
+                  else ModelHolder(model.to(device)))
         receiver = LocalReceiver(engine)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", f"building the engine failed: {type(e).__name__}: {e}"))
@@ -52,6 +55,8 @@ def _serve(conn: Any, model_fn: Any, device: str, max_batch_size: int, num_threa
 
     async def handle(method: str, kwargs: dict[str, Any]) -> Any:
         if method == "generate":
+            if not serve:
+                raise ValueError("this engine process holds only a model (serve=False); it cannot generate")
             return await engine.generate(kwargs["input_ids"], kwargs.get("sampling"))
         if method == "weight_version":
             return engine.weight_version
@@ -68,7 +73,8 @@ def _serve(conn: Any, model_fn: Any, device: str, max_batch_size: int, num_threa
             except Exception as e:  # noqa: BLE001 - every failure goes back to the caller by name
                 reply = ("error", f"{type(e).__name__}: {e}")
             conn.send(reply)
-        await engine.shutdown()
+        if serve:
+            await engine.shutdown()
 
     asyncio.run(loop())
 
@@ -76,10 +82,11 @@ def _serve(conn: Any, model_fn: Any, device: str, max_batch_size: int, num_threa
 class EngineProcess:
     """Client of one engine process; its async methods are the `WeightReceiver` API plus ``generate``."""
 
-    def __init__(self, model_fn: Any, *, device: str = "cpu", max_batch_size: int = 8,
+    def __init__(self, model_fn: Any, *, serve: bool = True, device: str = "cpu", max_batch_size: int = 8,
                  start_method: str = "spawn", num_threads: int | None = None, start_timeout_s: float = 120.0,
                  call_timeout_s: float = 600.0) -> None:
         self.model_fn = model_fn
+        self.serve = serve  # False: hold only the model (a ModelHolder): weights move, nothing generates
         self.num_threads = num_threads  # torch intra-op threads in the child; None = torch's default
         self.start_method = start_method  # spawn is safe with CUDA and threads; fork starts in a fraction
         self.device = device
@@ -95,8 +102,8 @@ class EngineProcess:
         """Start the child and wait until its engine is built."""
         ctx = mp.get_context(self.start_method)
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.model_fn, self.device, self.max_batch_size, self.num_threads),
-                                 daemon=True, name="miles-engine")
+        args = (child, self.model_fn, self.device, self.max_batch_size, self.num_threads, self.serve)
+        self._proc = ctx.Process(target=_serve, args=args, daemon=True, name="miles-engine")
         self._proc.start()
         child.close()
         kind, value = self._recv(self.start_timeout_s, "starting")

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from miles_agent.engine import PauseMode, RolloutEngine
-from miles_agent.weight_sync.core import TensorMeta, WeightSyncError, bucket_metadata, module_checksums, unpack
+from miles_agent.weight_sync.core import (
+    TensorMeta,
+    WeightSyncError,
+    bucket_metadata,
+    module_checksums,
+    unpack,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -68,6 +74,8 @@ class LocalReceiver:
         self.engine = engine
         self._groups: dict[str, Any] = {}
         self._shared: Any = None  # the last shared buffer, kept so its mapping is reused by the next bucket
+        self._recv_buffer: Any = None  # flat receive buffer reused across buckets (no page faults per bucket)
+        self._paused = False
 
     @property
     def weight_version(self) -> int:
@@ -79,8 +87,10 @@ class LocalReceiver:
 
     async def pause_generation(self, mode: str = "in_place") -> None:
         await self.engine.pause(PauseMode(mode))
+        self._paused = True
 
     async def continue_generation(self) -> None:
+        self._paused = False
         await self.engine.resume()
 
     async def get_weight_version(self) -> str:
@@ -122,23 +132,24 @@ class LocalReceiver:
                                               group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
                                               weight_version: str | None = None,
                                               load_format: str | None = None) -> None:
-        import torch
         import torch.distributed as dist
 
         if group_name not in self._groups:
             raise WeightSyncError(f"no weight update group {group_name!r} on this engine; call "
                                   "init_weights_update_group first")
         group = self._groups[group_name]
-        metas = bucket_metadata(names, dtypes, shapes)
         if load_format == "flattened_bucket":
-            flat = torch.empty(metas[-1].end_idx if metas else 0, dtype=torch.uint8, device=self.device)
+            metas = bucket_metadata(names, dtypes, shapes)
+            flat = self._flat_buffer(metas[-1].end_idx if metas else 0)
             await asyncio.to_thread(dist.broadcast, flat, 0, group)
             items = unpack(flat, metas)
         elif load_format is None:  # one broadcast per tensor, in the announced order
-            items = [(m.name, torch.empty(m.shape, dtype=getattr(torch, m.dtype), device=self.device))
-                     for m in metas]
-            for _, t in items:
-                await asyncio.to_thread(dist.broadcast, t, 0, group)
+            destinations, items = self._destinations(bucket_metadata(names, dtypes, shapes, flat=False), self.device)
+
+            def receive() -> None:
+                for _, t in destinations:
+                    dist.broadcast(t, 0, group)
+            await asyncio.to_thread(receive)
         else:
             raise WeightSyncError(f"update_weights_from_distributed: unknown load_format {load_format!r}")
         await self._load(items, weight_version)
@@ -153,20 +164,92 @@ class LocalReceiver:
 
     async def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                        weight_version: str | None = None) -> None:
-        from safetensors.torch import load_file
+        import torch
 
-        files = safetensors_files(Path(model_path))
-        for f in files:  # one shard at a time bounds the extra memory to the largest shard
-            await self._load(list(load_file(str(f)).items()), weight_version)
+        from miles_agent.weight_sync.disk import read_header, read_into
+
+        for path in safetensors_files(Path(model_path)):  # shard by shard: extra memory is at most a shard
+            start, metas = read_header(path)
+            destinations, items = self._destinations(metas, torch.device("cpu"))
+            await asyncio.to_thread(read_into, path, start, metas, [t for _, t in destinations])
+            await self._load(items, weight_version)
 
     async def check_weights(self, action: str = "checksum") -> dict[str, Any]:
         if action != "checksum":
             raise WeightSyncError(f"check_weights: only action='checksum' is supported, got {action!r}")
         return {"checksums": await asyncio.to_thread(module_checksums, self.engine.model)}
 
+    def _destinations(self, metas: list[TensorMeta], device: torch.device
+                      ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """Where each announced tensor lands: straight in the engine's own parameter when that is safe (the
+        engine was paused through this receiver; same dtype, shape and device; contiguous), which saves a
+        copy, else in a new buffer that is then loaded through the engine. Returns (all destinations in
+        order, the buffers to load)."""
+        import torch
+
+        model = self.engine.model
+        targets = dict(model.named_parameters(remove_duplicate=False))
+        targets.update(model.named_buffers(remove_duplicate=False))
+        destinations, to_load = [], []
+        for m in metas:
+            dtype = getattr(torch, m.dtype)
+            t = targets.get(m.name)
+            if (self._paused and t is not None and t.dtype == dtype and tuple(t.shape) == m.shape
+                    and t.is_contiguous() and t.device == device):
+                destinations.append((m.name, t.detach()))
+            else:
+                buf = torch.empty(m.shape, dtype=dtype, device=device)
+                destinations.append((m.name, buf))
+                to_load.append((m.name, buf))
+        return destinations, to_load
+
+    def _flat_buffer(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        if self._recv_buffer is None or self._recv_buffer.numel() < nbytes:
+            self._recv_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._recv_buffer[:nbytes]
+
     async def _load(self, items: Iterable[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
         version = self.engine.weight_version if weight_version is None else int(weight_version)
         await self.engine.update_weights(list(items), version)
+
+
+class ModelHolder:
+    """The weight side of an engine without the serving side: a torch module and a version (no KV cache,
+    no generate). What a receiver needs when only the weights matter, e.g. in benchmarks."""
+
+    def __init__(self, model: torch.nn.Module, weight_version: int = 0) -> None:
+        self.model = model
+        self.weight_version = weight_version
+
+    async def pause(self, mode: PauseMode = PauseMode.IN_PLACE) -> None:
+        """Nothing is generating, so there is nothing to pause."""
+
+    async def resume(self) -> None:
+        """See `pause`."""
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        items = list(named_tensors)
+        await asyncio.to_thread(load_named, self.model, items)
+        self.weight_version = int(version)
+
+
+def load_named(model: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy tensors into a module's parameters/buffers by name; every name and shape is checked first."""
+    import torch
+
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    for name, t in items:
+        if name not in targets:
+            raise WeightSyncError(f"the model has no parameter named {name!r}")
+        if tuple(targets[name].shape) != tuple(t.shape):
+            raise WeightSyncError(f"{name!r} has shape {tuple(targets[name].shape)} in the model but "
+                                  f"{tuple(t.shape)} was sent")
+    with torch.no_grad():
+        for name, t in items:
+            targets[name].copy_(t)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

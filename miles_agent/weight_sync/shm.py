@@ -66,9 +66,9 @@ class SharedMemoryTransport(EngineTransport):
             if flat.is_cuda:  # the engine reads the IPC memory on its own stream
                 torch.cuda.current_stream(flat.device).synchronize()
             payload = serialize({"flattened_tensor": flat, "metadata": metas})
-            await self._each(lambda e: e.update_weights_from_tensor(
-                serialized_named_tensors=[payload] * self.tp_size, load_format="flattened_bucket",
-                weight_version=str(version)))
+            request = dict(serialized_named_tensors=[payload] * self.tp_size, load_format="flattened_bucket",
+                           weight_version=str(version))
+            await self._each(lambda e, request=request: e.update_weights_from_tensor(**request))
             total += flat.numel()
             n += 1
         return {"sync_bytes": float(total), "sync_buckets": float(n)}

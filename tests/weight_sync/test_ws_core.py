@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from miles_agent.weight_sync import WeightMismatchError, prefix_map, tensor_checksum
-from miles_agent.weight_sync.core import bucket_metadata, compare_checksums, flat_buckets, pack, unpack
-from miles_agent.weight_sync.core import WeightSyncError
+from miles_agent.weight_sync.core import (
+    WeightSyncError,
+    bucket_metadata,
+    compare_checksums,
+    flat_buckets,
+    pack,
+    unpack,
+)
 
 
 def test_pack_unpack_round_trips_mixed_dtypes_exactly():

@@ -24,7 +24,7 @@ from miles_agent.weight_sync.process import EngineProcess, tiny_model_fn
 
 PROMPT = list(range(40, 52))
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
-KINDS = ["shm", "distributed", "disk"]
+KINDS = ["shm", "distributed", "distributed-flat", "disk"]
 VICTIM = "model.layers.1.mlp.up_proj.weight"
 
 
@@ -40,8 +40,8 @@ def engine():
 def make(kind: str, engine, tmp_path, **kw):
     if kind == "shm":
         return SharedMemoryTransport([engine], **kw)
-    if kind == "distributed":
-        return DistributedTransport([engine], backend="gloo", **kw)
+    if kind.startswith("distributed"):
+        return DistributedTransport([engine], backend="gloo", flatten=kind.endswith("flat"), **kw)
     return DiskTransport([engine], root=tmp_path / "weights", **kw)
 
 
@@ -85,6 +85,14 @@ def test_push_to_engine_process_checks_and_samples_like_the_trainer(kind, engine
         assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [f"v{seed:08d}", f"v{seed + 100:08d}"]
 
 
+def _perturb_tensor(outgoing):
+    """Wrap the distributed transport's outgoing(): VICTIM goes on the wire with one value changed."""
+    def corrupted(name, t, device):
+        t = outgoing(name, t, device)
+        return t.clone().index_add_(0, torch.tensor([0]), torch.full_like(t[:1], 1e-3)) if name == VICTIM else t
+    return corrupted
+
+
 def _perturb_flat(pack):
     """Wrap a transport's pack(): after the trainer hashed the tensors, flip one value of VICTIM in transit."""
     def corrupted(bucket, out=None):
@@ -120,6 +128,8 @@ def test_check_mode_catches_a_corrupted_transfer_by_name(kind, engine, tmp_path,
     if kind == "disk":
         from safetensors.torch import save_file
         monkeypatch.setattr("safetensors.torch.save_file", _perturb_file(save_file))
+    elif kind == "distributed":
+        monkeypatch.setattr(dist, "outgoing", _perturb_tensor(dist.outgoing))
     else:
         module = shm if kind == "shm" else dist
         monkeypatch.setattr(module, "pack", _perturb_flat(module.pack))
@@ -133,7 +143,7 @@ def test_check_mode_catches_a_corrupted_transfer_by_name(kind, engine, tmp_path,
         finally:
             await tr.close()
 
-    with pytest.raises(WeightMismatchError, match=rf"version 7: engine 0 \({kind} transport\) holds different "
+    with pytest.raises(WeightMismatchError, match=rf"version 7: engine 0 \({kind.split('-')[0]} transport\) holds different "
                                                   rf"values for '{VICTIM}'.*1 of {len(named)} tensors differ"):
         asyncio.run(run())
 
