@@ -4,10 +4,12 @@ The trainer is this process; the engine is a separate process holding only the m
 (``EngineProcess(serve=False)``), so every transport crosses a real process boundary. Per repeat,
 interleaved so machine noise hits both alike:
 
-- shm          vs raw shared memory: copy every tensor into a preallocated shared buffer, another
-               process copies it out into its own buffer (the two memcpys any shm transfer needs);
-- distributed  vs raw gloo broadcast of the same bucket-sized flat buffers, preallocated on both sides;
-- disk         vs raw safetensors: ``save_file`` of all tensors into one file, then ``load_file``.
+- shm          vs raw shared memory: bucket by bucket (the same buckets), copy the tensors into a
+               preallocated shared buffer and have another process copy them out into its own buffer
+               (the two memcpys and the one hand-off per bucket any shm transfer needs);
+- distributed  vs raw gloo broadcasts of the same tensors into preallocated buffers of the same shapes;
+- disk         vs raw safetensors: ``save_file`` of all tensors into one file, then ``load_file`` with
+               the ``pread`` backend (the default mmap one returns before reading the bytes).
 
 A ratio is baseline time / transport time (= transport bandwidth / raw bandwidth); the goal is >= 0.8.
 Each transport's first push runs with the check mode on (and must pass); timed pushes run without it.
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from miles_agent.weight_sync import DiskTransport, DistributedTransport, SharedMemoryTransport
-from miles_agent.weight_sync.core import flat_buckets, pack
+from miles_agent.weight_sync.core import flat_buckets
 from miles_agent.weight_sync.dist import free_port, init_custom_process_group
 from miles_agent.weight_sync.process import EngineProcess
 
@@ -62,35 +64,39 @@ def bench_model(hidden: int, layers: int) -> BenchModel:
     return BenchModel(hidden, layers)
 
 
-def raw_child(conn, shared: torch.Tensor, port: int, bucket_sizes: list[int]) -> None:  # noqa: ANN001
-    """The raw baselines' other process: copy the shared buffer out, or receive gloo broadcasts."""
+def raw_child(conn, shared: torch.Tensor, port: int, shapes: list[tuple[int, ...]], total: int) -> None:  # noqa: ANN001
+    """The raw baselines' other process: copy shared-buffer prefixes out, or receive gloo broadcasts."""
     torch.set_num_threads(1)
-    dest = torch.empty_like(shared)
-    recv = [torch.empty(n, dtype=torch.uint8) for n in bucket_sizes]
+    dest = torch.empty(total, dtype=torch.uint8)
+    recv = [torch.empty(s) for s in shapes]
     group = init_custom_process_group("gloo", "127.0.0.1", port, 1, 2, "raw_baseline")
     while (cmd := conn.recv()) is not None:
-        if cmd == "shm":
-            dest.copy_(shared)
-        else:
+        if cmd == "gloo":
             for buf in recv:
                 torch.distributed.broadcast(buf, 0, group)
+        else:  # (offset, nbytes) of the next bucket
+            offset, n = cmd
+            dest[offset:offset + n].copy_(shared[:n])
         conn.send("done")
 
 
-def raw_shm(conn, shared: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:  # noqa: ANN001
+def raw_shm(conn, shared: torch.Tensor, bucketed: list[list[tuple[str, torch.Tensor]]]) -> None:  # noqa: ANN001
     offset = 0
-    for _, t in named:
-        n = t.numel() * t.element_size()
-        shared[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
+    for bucket in bucketed:
+        n = 0
+        for _, t in bucket:
+            size = t.numel() * t.element_size()
+            shared[n:n + size].copy_(t.reshape(-1).view(torch.uint8))
+            n += size
+        conn.send((offset, n))
+        assert conn.recv() == "done"
         offset += n
-    conn.send("shm")
-    assert conn.recv() == "done"
 
 
-def raw_gloo(conn, group, flats: list[torch.Tensor]) -> None:  # noqa: ANN001
+def raw_gloo(conn, group, named: list[tuple[str, torch.Tensor]]) -> None:  # noqa: ANN001
     conn.send("gloo")
-    for buf in flats:
-        torch.distributed.broadcast(buf, 0, group)
+    for _, t in named:
+        torch.distributed.broadcast(t, 0, group)
     assert conn.recv() == "done"
 
 
@@ -99,7 +105,7 @@ def raw_disk(folder: Path, named: list[tuple[str, torch.Tensor]]) -> None:
 
     path = folder / "raw.safetensors"
     save_file(dict(named), str(path))
-    load_file(str(path))
+    load_file(str(path), backend="pread")  # the default mmap backend is lazy: it would not read the bytes
     path.unlink()
 
 
@@ -140,26 +146,28 @@ def main() -> None:
     named = [(n, t.detach()) for n, t in model.state_dict().items()]
     total = sum(t.numel() * t.element_size() for _, t in named)
     bucket_bytes = a.bucket_mb << 20
-    flats = [pack(b)[0] for b in flat_buckets(named, bucket_bytes)]
+    bucketed = list(flat_buckets(named, bucket_bytes))
     folder = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="weight_sync_bench_"))
     folder.mkdir(parents=True, exist_ok=True)
     print(f"{total / 2**20:.0f} MiB fp32 in {len(named)} tensors, {a.bucket_mb} MiB buckets, {a.repeat} repeats, "
           f"disk folder {folder}")
 
     ctx = mp.get_context("spawn")
-    shared = torch.empty(total, dtype=torch.uint8).share_memory_()
+    shared = torch.empty(max(sum(t.numel() * t.element_size() for _, t in b) for b in bucketed),
+                         dtype=torch.uint8).share_memory_()
     port = free_port()
     conn, child_conn = ctx.Pipe()
-    raw = ctx.Process(target=raw_child, args=(child_conn, shared, port, [f.numel() for f in flats]), daemon=True)
+    raw = ctx.Process(target=raw_child, args=(child_conn, shared, port, [tuple(t.shape) for _, t in named], total), daemon=True)
     raw.start()
+    child_conn.close()  # so a crashed child shows up here as EOF instead of a hang
     raw_group = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, "raw_baseline")
     engine = EngineProcess(functools.partial(bench_model, a.hidden, a.layers), serve=False, num_threads=1).start()
     common = dict(bucket_bytes=bucket_bytes)
     transports = {"shm": SharedMemoryTransport([engine], **common),
                   "distributed": DistributedTransport([engine], backend="gloo", **common),
                   "disk": DiskTransport([engine], root=folder / "weights", keep=1, **common)}
-    baselines = {"shm": functools.partial(raw_shm, conn, shared, named),
-                 "distributed": functools.partial(raw_gloo, conn, raw_group, flats),
+    baselines = {"shm": functools.partial(raw_shm, conn, shared, bucketed),
+                 "distributed": functools.partial(raw_gloo, conn, raw_group, named),
                  "disk": functools.partial(raw_disk, folder, named)}
     times: dict[str, dict[str, list[float]]] = {k: {"transport": [], "raw": []} for k in transports}
 
@@ -197,9 +205,9 @@ def main() -> None:
         print(f"{kind:12s} {gbps:7.2f} {raw_gbps:9.2f}   {s['min']:.2f} / {s['median']:.2f} / {s['max']:.2f}   {ok}")
         results[kind] = {"bandwidth_gbps": gbps, "raw_bandwidth_gbps": raw_gbps, "ratio": s,
                          "seconds": tm["transport"], "raw_seconds": tm["raw"],
-                         "baseline": {"shm": "memcpy into shared memory + memcpy out in another process",
-                                      "distributed": "gloo broadcast of the same flat buckets",
-                                      "disk": "safetensors save_file + load_file of the same tensors"}[kind]}
+                         "baseline": {"shm": "per bucket: memcpy into shared memory, memcpy out in another process",
+                                      "distributed": "gloo broadcasts of the same tensors",
+                                      "disk": "safetensors save_file + load_file(backend='pread')"}[kind]}
     out = {"bench": "weight_sync", "bytes": total, "tensors": len(named), "bucket_bytes": bucket_bytes,
            "repeat": a.repeat, "quick": a.quick, "goal_ratio": GOAL, "machine": machine_info(), "results": results}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -63,10 +63,17 @@ def _serve(conn: Any, model_fn: Any, device: str, max_batch_size: int, num_threa
         return await getattr(receiver, method)(**kwargs)
 
     async def loop() -> None:
-        while True:
-            msg = await asyncio.to_thread(conn.recv)
-            if msg is None:
-                break
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        def readable() -> None:  # on the loop's thread: no thread hand-off per request
+            try:
+                inbox.put_nowait(conn.recv())
+            except EOFError:  # the parent is gone
+                asyncio.get_running_loop().remove_reader(conn.fileno())
+                inbox.put_nowait(None)
+
+        asyncio.get_running_loop().add_reader(conn.fileno(), readable)
+        while (msg := await inbox.get()) is not None:
             method, kwargs = msg
             try:
                 reply = ("ok", await handle(method, kwargs))
@@ -142,7 +149,7 @@ class EngineProcess:
         lock = self._locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
         async with lock:  # one request in flight per engine, answered in order
             self._conn.send((method, kwargs))
-            kind, value = await asyncio.to_thread(self._recv, self.call_timeout_s, method)
+            kind, value = await self._reply(self.call_timeout_s, method)
         if kind == "error":
             raise WeightSyncError(f"engine process (pid {self.pid}) {method}: {value}")
         return value
@@ -188,6 +195,28 @@ class EngineProcess:
 
     async def check_weights(self, action: str = "checksum") -> dict[str, Any]:
         return await self.call("check_weights", action=action)
+
+    async def _reply(self, timeout_s: float, what: str) -> tuple[str, Any]:
+        """Wait for the pipe to become readable on the event loop (no thread hand-off), checking that the
+        child is alive twice a second, then read the reply."""
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fd = self._conn.fileno()
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ready.done():
+                await asyncio.wait([ready], timeout=0.5)
+                if ready.done():
+                    break
+                if not self._proc.is_alive():
+                    raise WeightSyncError(f"engine process (pid {self._proc.pid}) exited with code "
+                                          f"{self._proc.exitcode} during {what}")
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(f"engine process gave no answer to {what} within {timeout_s:.0f} s")
+        finally:
+            loop.remove_reader(fd)
+        return self._recv(timeout_s, what)
 
     def _recv(self, timeout_s: float, what: str) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout_s

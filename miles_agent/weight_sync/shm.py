@@ -1,19 +1,30 @@
 """Colocated weight sync: buckets travel as serialized tensor handles, SGLang's ``update_weights_from_tensor``.
 
-The trainer packs each bucket into one flat tensor and pickles it with torch's multiprocessing
-reductions, which turn a CPU tensor into a shared-memory handle (a file descriptor the engine process
-maps) and a CUDA tensor into a CUDA IPC handle. Only the handle crosses the process boundary; the engine
-views the shared bucket and copies it into its model. Extra memory: one bucket on the trainer side
-(a shared staging buffer reused across buckets and pushes), none beyond the model on the engine side.
+The trainer packs each bucket into one flat staging tensor and sends a handle to it; only the handle
+crosses the process boundary, the engine views the shared bucket and copies it into its model.
 
-The CUDA IPC path is written but untested here (no GPU in CI): the bucket is packed on the trainer's
-GPU and the stream synchronized before its handle is sent; an engine on another device index needs
-SGLang-style device remapping, which this module does not do.
+- CPU: the staging buffer is a shared-memory file made once per transport, and a bucket's handle is
+  (file path, byte count). The engine maps a segment once and keeps the mapping, so a bucket
+  costs one pickle of a few hundred bytes. (torch's own CPU reduction would pass a file descriptor
+  through a helper thread for every bucket: two extra process wake-ups each, which dominated the sync
+  time on a loaded machine.)
+- CUDA: the bucket is pickled with torch's multiprocessing reductions, which send a CUDA IPC handle, as
+  SGLang's ``update_weights_from_tensor`` expects. Written but untested here (no GPU in CI): the stream
+  is synchronized before the handle is sent; an engine on another device index would need SGLang-style
+  device remapping, which this module does not do.
+
+Extra memory: one bucket on the trainer side (reused across buckets and pushes), none on the engine side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import pickle
+import tempfile
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +34,62 @@ from miles_agent.weight_sync.receiver import WeightReceiver
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+
+class SharedSegment:
+    """A shared-memory file (in /dev/shm where it exists) mapped as a uint8 tensor; deleted on close.
+
+    A file mapped with MAP_SHARED (``torch.from_file(shared=True)``) rather than Python's SharedMemory,
+    whose resource tracker would also claim segments the engine attaches to.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix="miles-weights-", dir=folder)
+        os.close(fd)
+        self.tensor = torch.from_file(self.path, shared=True, size=max(1, nbytes), dtype=torch.uint8)
+        self._finalizer = weakref.finalize(self, _unlink, self.path)
+
+    def handle(self, nbytes: int) -> SegmentHandle:
+        return SegmentHandle(self.path, nbytes)
+
+    def close(self) -> None:
+        self.tensor = None
+        self._finalizer()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class SegmentHandle:
+    """Pickles to (segment path, byte count); unpickles, in the engine, to a tensor over that memory."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        self.path, self.nbytes = path, nbytes
+
+    def __reduce__(self) -> tuple:
+        return attach_segment, (self.path, self.nbytes)
+
+
+_ATTACHED: OrderedDict[str, torch.Tensor] = OrderedDict()  # engine side: segment path -> mapped tensor
+_MAX_ATTACHED = 4  # a trainer that re-creates its staging leaves old mappings; keep the newest few
+
+
+def attach_segment(path: str, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of a trainer's segment as a uint8 tensor (zero-copy; the mapping is cached)."""
+    import torch
+
+    if path not in _ATTACHED:
+        size = os.path.getsize(path)
+        _ATTACHED[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        while len(_ATTACHED) > _MAX_ATTACHED:
+            _ATTACHED.popitem(last=False)
+    _ATTACHED.move_to_end(path)
+    return _ATTACHED[path][:nbytes]
 
 
 def serialize(obj: Any) -> bytes:
@@ -44,28 +111,41 @@ class SharedMemoryTransport(EngineTransport):
     def __init__(self, engines: list[WeightReceiver], *, tp_size: int = 1, **kwargs: Any) -> None:
         super().__init__(engines, **kwargs)
         self.tp_size = tp_size  # SGLang takes one serialized payload per tensor-parallel rank
-        self._staging: torch.Tensor | None = None
+        self._segment: SharedSegment | None = None  # CPU staging
+        self._cuda_staging: torch.Tensor | None = None
 
-    def _staging_for(self, device: torch.device) -> torch.Tensor:
+    def _staging_for(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """A staging buffer of at least ``nbytes`` on ``device`` (grown when one tensor exceeds a bucket)."""
         import torch
 
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"the shm transport moves CPU (shared memory) or CUDA (IPC) tensors, not {device}; "
-                             "use sync.transport=disk or distributed")
-        if self._staging is None or self._staging.device != device:
-            staging = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
-            self._staging = staging.share_memory_() if device.type == "cpu" else staging
-        return self._staging
+        size = max(nbytes, self.bucket_bytes)
+        if device.type == "cpu":
+            if self._segment is None or self._segment.tensor.numel() < nbytes:
+                if self._segment is not None:
+                    self._segment.close()
+                self._segment = SharedSegment(size)
+            return self._segment.tensor
+        if device.type == "cuda":
+            if self._cuda_staging is None or self._cuda_staging.device != device or \
+                    self._cuda_staging.numel() < nbytes:
+                self._cuda_staging = torch.empty(size, dtype=torch.uint8, device=device)
+            return self._cuda_staging
+        raise ValueError(f"the shm transport moves CPU (shared memory) or CUDA (IPC) tensors, not {device}; "
+                         "use sync.transport=disk or distributed")
 
     async def _send(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         import torch
 
         total, n = 0, 0
         for bucket in flat_buckets(named_tensors, self.bucket_bytes):
-            flat, metas = pack(bucket, out=self._staging_for(bucket[0][1].device))
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            flat, metas = pack(bucket, out=self._staging_for(bucket[0][1].device, nbytes))
             if flat.is_cuda:  # the engine reads the IPC memory on its own stream
                 torch.cuda.current_stream(flat.device).synchronize()
-            payload = serialize({"flattened_tensor": flat, "metadata": metas})
+                payload = serialize({"flattened_tensor": flat, "metadata": metas})
+            else:
+                assert self._segment is not None and flat.data_ptr() == self._segment.tensor.data_ptr()
+                payload = pickle.dumps({"flattened_tensor": self._segment.handle(flat.numel()), "metadata": metas})
             request = dict(serialized_named_tensors=[payload] * self.tp_size, load_format="flattened_bucket",
                            weight_version=str(version))
             await self._each(lambda e, request=request: e.update_weights_from_tensor(**request))
@@ -74,4 +154,6 @@ class SharedMemoryTransport(EngineTransport):
         return {"sync_bytes": float(total), "sync_buckets": float(n)}
 
     async def close(self) -> None:
-        self._staging = None
+        if self._segment is not None:
+            self._segment.close()
+        self._segment, self._cuda_staging = None, None
