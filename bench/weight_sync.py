@@ -15,8 +15,8 @@ A ratio is baseline time / transport time (= transport bandwidth / raw bandwidth
 Each transport's first push runs with the check mode on (and must pass); timed pushes run without it.
 Prints min/median/max ratios over the repeats and writes JSON with the machine's description.
 
-    python bench/weight_sync.py            # 256 MB of fp32 weights, 5 repeats (about a minute)
-    python bench/weight_sync.py --quick    # 24 MB, 3 repeats (seconds)
+    python bench/weight_sync.py            # 208 MiB of fp32 weights in 64 MiB buckets, 5 repeats (a minute)
+    python bench/weight_sync.py --quick    # 26 MiB in 8 MiB buckets, 5 repeats (seconds)
 """
 
 from __future__ import annotations
@@ -129,14 +129,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--bucket-mb", type=int, default=32)
+    ap.add_argument("--bucket-mb", type=int, default=64, help="sync.bucket_mb's default")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", default=None, help="folder for the disk transport (default: a temporary folder)")
     ap.add_argument("--json", default="runs/bench/weight_sync.json", help="where to write the results")
-    ap.add_argument("--quick", action="store_true", help="hidden 512, 2 layers (24 MB), 3 repeats")
+    ap.add_argument("--quick", action="store_true", help="hidden 512, 2 layers (26 MiB), 8 MiB buckets, 5 repeats")
     a = ap.parse_args()
     if a.quick:
-        a.hidden, a.layers, a.repeat, a.bucket_mb = 512, 2, 3, 8
+        a.hidden, a.layers, a.repeat, a.bucket_mb = 512, 2, 5, 8
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = bench_model(a.hidden, a.layers)

@@ -161,10 +161,12 @@ class EngineProcess:
         return await self.call("weight_version")
 
     async def pause_generation(self, mode: str = "in_place") -> None:
-        await self.call("pause_generation", mode=mode)
+        if self.serve:  # a model-only process generates nothing: no round trip to pause it
+            await self.call("pause_generation", mode=mode)
 
     async def continue_generation(self) -> None:
-        await self.call("continue_generation")
+        if self.serve:
+            await self.call("continue_generation")
 
     async def update_weights_from_tensor(self, serialized_named_tensors: list[bytes], load_format: str | None = None,
                                          flush_cache: bool = True, weight_version: str | None = None) -> None:

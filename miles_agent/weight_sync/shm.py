@@ -13,11 +13,13 @@ crosses the process boundary, the engine views the shared bucket and copies it i
   is synchronized before the handle is sent; an engine on another device index would need SGLang-style
   device remapping, which this module does not do.
 
-Extra memory: one bucket on the trainer side (reused across buckets and pushes), none on the engine side.
+Extra memory: two buckets on the trainer side (double-buffered: it packs the next bucket while the
+engines copy the last one; reused across pushes), none on the engine side.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import os
@@ -111,25 +113,27 @@ class SharedMemoryTransport(EngineTransport):
     def __init__(self, engines: list[WeightReceiver], *, tp_size: int = 1, **kwargs: Any) -> None:
         super().__init__(engines, **kwargs)
         self.tp_size = tp_size  # SGLang takes one serialized payload per tensor-parallel rank
-        self._segment: SharedSegment | None = None  # CPU staging
-        self._cuda_staging: torch.Tensor | None = None
+        # Two staging buffers per device: the trainer packs bucket k+1 while the engines still read bucket k.
+        self._segments: list[SharedSegment | None] = [None, None]
+        self._cuda_staging: list[torch.Tensor | None] = [None, None]
 
-    def _staging_for(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        """A staging buffer of at least ``nbytes`` on ``device`` (grown when one tensor exceeds a bucket)."""
+    def _staging_for(self, device: torch.device, nbytes: int, slot: int) -> torch.Tensor:
+        """Staging buffer ``slot`` of at least ``nbytes`` on ``device`` (grown when a tensor exceeds a bucket)."""
         import torch
 
         size = max(nbytes, self.bucket_bytes)
         if device.type == "cpu":
-            if self._segment is None or self._segment.tensor.numel() < nbytes:
-                if self._segment is not None:
-                    self._segment.close()
-                self._segment = SharedSegment(size)
-            return self._segment.tensor
+            seg = self._segments[slot]
+            if seg is None or seg.tensor.numel() < nbytes:
+                if seg is not None:
+                    seg.close()
+                seg = self._segments[slot] = SharedSegment(size)
+            return seg.tensor
         if device.type == "cuda":
-            if self._cuda_staging is None or self._cuda_staging.device != device or \
-                    self._cuda_staging.numel() < nbytes:
-                self._cuda_staging = torch.empty(size, dtype=torch.uint8, device=device)
-            return self._cuda_staging
+            buf = self._cuda_staging[slot]
+            if buf is None or buf.device != device or buf.numel() < nbytes:
+                buf = self._cuda_staging[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+            return buf
         raise ValueError(f"the shm transport moves CPU (shared memory) or CUDA (IPC) tensors, not {device}; "
                          "use sync.transport=disk or distributed")
 
@@ -137,23 +141,36 @@ class SharedMemoryTransport(EngineTransport):
         import torch
 
         total, n = 0, 0
-        for bucket in flat_buckets(named_tensors, self.bucket_bytes):
-            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-            flat, metas = pack(bucket, out=self._staging_for(bucket[0][1].device, nbytes))
-            if flat.is_cuda:  # the engine reads the IPC memory on its own stream
-                torch.cuda.current_stream(flat.device).synchronize()
-                payload = serialize({"flattened_tensor": flat, "metadata": metas})
-            else:
-                assert self._segment is not None and flat.data_ptr() == self._segment.tensor.data_ptr()
-                payload = pickle.dumps({"flattened_tensor": self._segment.handle(flat.numel()), "metadata": metas})
-            request = dict(serialized_named_tensors=[payload] * self.tp_size, load_format="flattened_bucket",
-                           weight_version=str(version))
-            await self._each(lambda e, request=request: e.update_weights_from_tensor(**request))
-            total += flat.numel()
-            n += 1
+        inflight: asyncio.Future | None = None  # the previous bucket's requests; its slot is the other one
+        try:
+            for bucket in flat_buckets(named_tensors, self.bucket_bytes):
+                slot = n % 2
+                nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+                flat, metas = pack(bucket, out=self._staging_for(bucket[0][1].device, nbytes, slot))
+                if flat.is_cuda:  # the engine reads the IPC memory on its own stream
+                    torch.cuda.current_stream(flat.device).synchronize()
+                    payload = serialize({"flattened_tensor": flat, "metadata": metas})
+                else:
+                    seg = self._segments[slot]
+                    assert seg is not None and flat.data_ptr() == seg.tensor.data_ptr()
+                    payload = pickle.dumps({"flattened_tensor": seg.handle(flat.numel()), "metadata": metas})
+                request = dict(serialized_named_tensors=[payload] * self.tp_size, load_format="flattened_bucket",
+                               weight_version=str(version))
+                if inflight is not None:
+                    await inflight
+                inflight = asyncio.ensure_future(
+                    self._each(lambda e, request=request: e.update_weights_from_tensor(**request)))
+                for _ in range(3):  # let the requests go out before packing the next bucket
+                    await asyncio.sleep(0)
+                total += flat.numel()
+                n += 1
+        finally:
+            if inflight is not None:
+                await inflight
         return {"sync_bytes": float(total), "sync_buckets": float(n)}
 
     async def close(self) -> None:
-        if self._segment is not None:
-            self._segment.close()
-        self._segment, self._cuda_staging = None, None
+        for seg in self._segments:
+            if seg is not None:
+                seg.close()
+        self._segments, self._cuda_staging = [None, None], [None, None]
