@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -120,33 +121,61 @@ class DistributedTransport(EngineTransport):
         device = torch.device("cuda" if self.backend == "nccl" else "cpu")
         if self.flatten and self._staging is None:
             self._staging = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+        # Per-tensor buckets need no staging, so the next one is announced and queued for broadcast while
+        # the engines still load the last: the per-bucket round trip overlaps the data transfer.
+        depth = 1 if self.flatten else 2
+        inflight: deque[tuple[asyncio.Future, list[asyncio.Future], str]] = deque()
+        last_send: asyncio.Future | None = None
         total, n = 0, 0
-        for bucket in flat_buckets(named_tensors, self.bucket_bytes):
-            if self.flatten:
-                flat, metas = pack(bucket, out=self._staging)
-                wire = [flat]
-            else:
-                metas = bucket_metadata([name for name, _ in bucket], [dtype_name(t) for _, t in bucket],
-                                        [list(t.shape) for _, t in bucket])
-                wire = [outgoing(name, t, device) for name, t in bucket]
-            if self.backend == "nccl":
-                torch.cuda.current_stream().synchronize()
-            announce = dict(names=[m.name for m in metas], dtypes=[m.dtype for m in metas],
-                            shapes=[list(m.shape) for m in metas], group_name=self.active_group,
-                            weight_version=str(version), load_format="flattened_bucket" if self.flatten else None)
-            receives = [asyncio.ensure_future(e.update_weights_from_distributed(**announce)) for e in self.engines]
-            send = asyncio.ensure_future(asyncio.to_thread(_broadcast_all, wire, self.group))
-            try:
-                await _all_or_first_error([send, *receives], f"bucket {n} (first tensor {metas[0].name!r})")
-            except WeightSyncError:
-                if not send.done():  # an engine failed first: did our side of the broadcast finish anyway?
-                    await asyncio.wait([send], timeout=10.0)
-                if not (send.done() and not send.cancelled() and send.exception() is None):
-                    self.group = None  # a half-done broadcast leaves the group unusable
-                raise
-            total += metas[-1].end_idx
-            n += 1
+        try:
+            for bucket in flat_buckets(named_tensors, self.bucket_bytes):
+                if self.flatten:
+                    flat, metas = pack(bucket, out=self._staging)
+                    wire = [flat]
+                else:
+                    metas = bucket_metadata([name for name, _ in bucket], [dtype_name(t) for _, t in bucket],
+                                            [list(t.shape) for _, t in bucket])
+                    wire = [outgoing(name, t, device) for name, t in bucket]
+                if self.backend == "nccl":
+                    torch.cuda.current_stream().synchronize()
+                announce = dict(names=[m.name for m in metas], dtypes=[m.dtype for m in metas],
+                                shapes=[list(m.shape) for m in metas], group_name=self.active_group,
+                                weight_version=str(version),
+                                load_format="flattened_bucket" if self.flatten else None)
+                receives = [asyncio.ensure_future(e.update_weights_from_distributed(**announce))
+                            for e in self.engines]
+                last_send = asyncio.ensure_future(_broadcast_after(last_send, wire, self.group))
+                inflight.append((last_send, receives, f"bucket {n} (first tensor {metas[0].name!r})"))
+                total += metas[-1].end_idx
+                n += 1
+                while len(inflight) >= depth:
+                    await self._finish(*inflight.popleft())
+            while inflight:
+                await self._finish(*inflight.popleft())
+        finally:
+            for send, receives, _ in inflight:  # after a failure: consume what is still pending
+                for f in (send, *receives):
+                    f.add_done_callback(lambda f: f.cancelled() or f.exception())
         return {"sync_bytes": float(total), "sync_buckets": float(n)}
+
+    async def _finish(self, send: asyncio.Future, receives: list[asyncio.Future], what: str) -> None:
+        try:
+            await _all_or_first_error([send, *receives], what)
+        except WeightSyncError:
+            if not send.done():  # an engine failed first: did our side of the broadcast finish anyway?
+                await asyncio.wait([send], timeout=10.0)
+            if not (send.done() and not send.cancelled() and send.exception() is None):
+                self.group = None  # a half-done broadcast leaves the group unusable
+            raise
+
+
+async def _broadcast_after(previous: asyncio.Future | None, wire: list[torch.Tensor], group: Any) -> None:
+    """Broadcast ``wire`` once the previous bucket's broadcast is done (collectives run in issue order)."""
+    if previous is not None:
+        await asyncio.wait([previous])
+        if previous.cancelled() or previous.exception() is not None:
+            raise WeightSyncError("not sent: the previous bucket's broadcast failed")
+    await asyncio.to_thread(_broadcast_all, wire, group)
 
 
 def outgoing(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -14,7 +14,7 @@ import functools
 import multiprocessing as mp
 import os
 import time
-import weakref
+from collections import deque
 from typing import Any
 
 from miles_agent.engine import Completion, SamplingParams
@@ -87,7 +87,11 @@ def _serve(conn: Any, model_fn: Any, device: str, max_batch_size: int, num_threa
 
 
 class EngineProcess:
-    """Client of one engine process; its async methods are the `WeightReceiver` API plus ``generate``."""
+    """Client of one engine process; its async methods are the `WeightReceiver` API plus ``generate``.
+
+Requests go out as soon as they are made and the child answers them in order, so a caller may queue
+the next request (the next bucket's announcement) before the last one is answered.
+"""
 
     def __init__(self, model_fn: Any, *, serve: bool = True, device: str = "cpu", max_batch_size: int = 8,
                  start_method: str = "spawn", num_threads: int | None = None, start_timeout_s: float = 120.0,
@@ -103,7 +107,8 @@ class EngineProcess:
         self.pid: int | None = None
         self._proc: Any = None
         self._conn: Any = None
-        self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one lock per calling loop
+        self._waiting: deque[asyncio.Future] = deque()  # requests in flight; the child answers in order
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> EngineProcess:
         """Start the child and wait until its engine is built."""
@@ -146,10 +151,19 @@ class EngineProcess:
     async def call(self, method: str, **kwargs: Any) -> Any:
         if self._proc is None:
             raise WeightSyncError(f"{method}: the engine process is not running (call start() first)")
-        lock = self._locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
-        async with lock:  # one request in flight per engine, answered in order
-            self._conn.send((method, kwargs))
-            kind, value = await self._reply(self.call_timeout_s, method)
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        self._waiting.append(reply)
+        self._conn.send((method, kwargs))  # sent now: a caller may queue the next request before this answer
+        if self._reader_loop is not loop:
+            loop.add_reader(self._conn.fileno(), self._on_readable)
+            self._reader_loop = loop
+        try:
+            kind, value = await self._reply(reply, self.call_timeout_s, method)
+        finally:
+            if not self._waiting and self._reader_loop is loop:
+                loop.remove_reader(self._conn.fileno())
+                self._reader_loop = None
         if kind == "error":
             raise WeightSyncError(f"engine process (pid {self.pid}) {method}: {value}")
         return value
@@ -198,27 +212,33 @@ class EngineProcess:
     async def check_weights(self, action: str = "checksum") -> dict[str, Any]:
         return await self.call("check_weights", action=action)
 
-    async def _reply(self, timeout_s: float, what: str) -> tuple[str, Any]:
-        """Wait for the pipe to become readable on the event loop (no thread hand-off), checking that the
-        child is alive twice a second, then read the reply."""
-        loop = asyncio.get_running_loop()
-        ready = loop.create_future()
-        fd = self._conn.fileno()
-        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
-        deadline = time.monotonic() + timeout_s
+    def _on_readable(self) -> None:
+        """Hand each answer that has arrived to the oldest request still waiting (on the loop's thread)."""
         try:
-            while not ready.done():
-                await asyncio.wait([ready], timeout=0.5)
-                if ready.done():
-                    break
-                if not self._proc.is_alive():
-                    raise WeightSyncError(f"engine process (pid {self._proc.pid}) exited with code "
-                                          f"{self._proc.exitcode} during {what}")
-                if time.monotonic() > deadline:
-                    raise WeightSyncError(f"engine process gave no answer to {what} within {timeout_s:.0f} s")
-        finally:
-            loop.remove_reader(fd)
-        return self._recv(timeout_s, what)
+            while self._waiting and self._conn.poll():
+                msg = self._conn.recv()
+                reply = self._waiting.popleft()
+                if not reply.done():  # a cancelled caller's answer is dropped, the order stays right
+                    reply.set_result(msg)
+        except (EOFError, OSError):
+            while self._waiting:
+                reply = self._waiting.popleft()
+                if not reply.done():
+                    reply.set_exception(WeightSyncError(f"engine process (pid {self.pid}) closed its pipe"))
+
+    async def _reply(self, reply: asyncio.Future, timeout_s: float, what: str) -> tuple[str, Any]:
+        """Wait for this request's answer, checking twice a second that the child is alive."""
+        deadline = time.monotonic() + timeout_s
+        while not reply.done():
+            await asyncio.wait([reply], timeout=0.5)
+            if reply.done():
+                break
+            if not self._proc.is_alive():
+                raise WeightSyncError(f"engine process (pid {self._proc.pid}) exited with code "
+                                      f"{self._proc.exitcode} during {what}")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"engine process gave no answer to {what} within {timeout_s:.0f} s")
+        return reply.result()
 
     def _recv(self, timeout_s: float, what: str) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout_s
