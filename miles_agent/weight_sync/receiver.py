@@ -182,19 +182,20 @@ class LocalReceiver:
     def _destinations(self, metas: list[TensorMeta], device: torch.device
                       ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
         """Where each announced tensor lands: straight in the engine's own parameter when that is safe (the
-        engine was paused through this receiver; same dtype, shape and device; contiguous), which saves a
-        copy, else in a new buffer that is then loaded through the engine. Returns (all destinations in
-        order, the buffers to load)."""
+        engine was paused through this receiver or only holds a model; same dtype, shape and device;
+        contiguous), which saves a copy, else in a new buffer that is then loaded through the engine.
+        Returns (all destinations in order, the buffers to load)."""
         import torch
 
         model = self.engine.model
         targets = dict(model.named_parameters(remove_duplicate=False))
         targets.update(model.named_buffers(remove_duplicate=False))
+        quiet = self._paused or isinstance(self.engine, ModelHolder)  # nothing reads the weights meanwhile
         destinations, to_load = [], []
         for m in metas:
             dtype = getattr(torch, m.dtype)
             t = targets.get(m.name)
-            if (self._paused and t is not None and t.dtype == dtype and tuple(t.shape) == m.shape
+            if (quiet and t is not None and t.dtype == dtype and tuple(t.shape) == m.shape
                     and t.is_contiguous() and t.device == device):
                 destinations.append((m.name, t.detach()))
             else:
