@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", default=None, help="folder for the disk transport (default: a temporary folder)")
     ap.add_argument("--json", default="runs/bench/weight_sync.json", help="where to write the results")
+    ap.add_argument("--start-method", default="fork", choices=["fork", "spawn"],
+                    help="how the engine and baseline processes start (fork: fast; spawn: as with CUDA)")
     ap.add_argument("--quick", action="store_true", help="hidden 512, 2 layers (26 MiB), 8 MiB buckets, 5 repeats")
     a = ap.parse_args()
     if a.quick:
@@ -152,7 +154,9 @@ def main() -> None:
     print(f"{total / 2**20:.0f} MiB fp32 in {len(named)} tensors, {a.bucket_mb} MiB buckets, {a.repeat} repeats, "
           f"disk folder {folder}")
 
-    ctx = mp.get_context("spawn")
+    # fork: both children start before this process has any thread (gloo's come later), in a second
+    # instead of re-importing torch; the start method changes nothing that is timed.
+    ctx = mp.get_context(a.start_method)
     shared = torch.empty(max(sum(t.numel() * t.element_size() for _, t in b) for b in bucketed),
                          dtype=torch.uint8).share_memory_()
     port = free_port()
@@ -160,8 +164,9 @@ def main() -> None:
     raw = ctx.Process(target=raw_child, args=(child_conn, shared, port, [tuple(t.shape) for _, t in named], total), daemon=True)
     raw.start()
     child_conn.close()  # so a crashed child shows up here as EOF instead of a hang
+    engine = EngineProcess(functools.partial(bench_model, a.hidden, a.layers), serve=False, num_threads=1,
+                           start_method=a.start_method).start()
     raw_group = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, "raw_baseline")
-    engine = EngineProcess(functools.partial(bench_model, a.hidden, a.layers), serve=False, num_threads=1).start()
     common = dict(bucket_bytes=bucket_bytes)
     transports = {"shm": SharedMemoryTransport([engine], **common),
                   "distributed": DistributedTransport([engine], backend="gloo", **common),

@@ -29,12 +29,19 @@ VICTIM = "model.layers.1.mlp.up_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    """One engine process (tiny-qwen3, seed 0) for the module. Fork starts it in about a second once
-    this process has imported transformers (building a model does); spawn would re-import everything."""
+def engines():
+    """Two engine processes (tiny-qwen3, seed 0) for the module, forked before this process starts any
+    thread. Fork starts each in about a second once this process has imported transformers (building a
+    model does); spawn would re-import everything."""
     build_tiny("tiny-qwen3")
-    with EngineProcess(tiny_model_fn(seed=0), start_method="fork", num_threads=1) as e:
-        yield e
+    with EngineProcess(tiny_model_fn(seed=0), start_method="fork", num_threads=1) as first, \
+            EngineProcess(tiny_model_fn(seed=0), start_method="fork", num_threads=1) as second:
+        yield first, second
+
+
+@pytest.fixture
+def engine(engines):
+    return engines[0]
 
 
 def make(kind: str, engine, tmp_path, **kw):
@@ -178,3 +185,21 @@ def test_distributed_load_error_comes_back_without_hanging_and_the_group_survive
 
     out = asyncio.run(run())
     assert out.weight_version == 41 and out.output_ids == greedy(model)
+
+
+@pytest.mark.parametrize("kind", ["shm", "distributed"])
+def test_two_engine_processes_both_get_the_weights(kind, engines):
+    """Engine i joins the group as rank 1 + i (world size 3); every engine is checked."""
+    model, named = trainer_weights(50 + KINDS.index(kind))
+
+    async def run():
+        tr = (SharedMemoryTransport(list(engines), check=True) if kind == "shm"
+              else DistributedTransport(list(engines), backend="gloo", check=True))
+        await tr.push(named, version=60)
+        outs = [await e.generate(PROMPT, GREEDY) for e in engines]
+        await tr.close()
+        return outs
+
+    outs = asyncio.run(run())
+    assert [o.weight_version for o in outs] == [60, 60]
+    assert outs[0].output_ids == outs[1].output_ids == greedy(model)
