@@ -69,7 +69,9 @@ def transformer_config(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype 
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=sizes.tensor, pipeline_model_parallel_size=sizes.pipeline,
-        context_parallel_size=sizes.context, sequence_parallel=sizes.tensor > 1,
+        context_parallel_size=sizes.context,
+        # sequence parallelism needs the fused TE/Apex norms; torch norms (CPU) run without it
+        sequence_parallel=sizes.tensor > 1 and _has_te(),
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
