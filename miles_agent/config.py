@@ -61,6 +61,17 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """Parallel layout for train.backend=megatron (ranks = tensor * pipeline * context * data)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1  # MoE experts split over this many ranks of each pipeline stage
+    expert_tensor_parallel: int = 1
+    context_parallel: int = 1
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     advantage: str = "grpo"
     normalize_std: bool = True  # False = Dr.GRPO
@@ -101,6 +112,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -100,6 +100,45 @@ def arch_spec(hf_config: Any) -> ArchSpec:
     return ARCHITECTURES[archs[0]](hf_config)
 
 
+# -- transformers' in-memory layout <-> checkpoint layout ----------------------------------------------
+
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def hf_checkpoint_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
+    """A transformers model's weights under checkpoint names: transformers >= 5 keeps an MoE layer's
+    experts fused in memory (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]),
+    while checkpoints hold one tensor per expert."""
+    out: dict[str, Tensor] = {}
+    for name, t in model.state_dict().items():
+        m = _FUSED_EXPERTS.fullmatch(name)
+        if not m:
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            prefix = f"{m.group(1)}.{e}."
+            if m.group(2) == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = gate, up
+            else:
+                out[prefix + "down_proj.weight"] = t[e]
+    return out
+
+
+def to_transformers_layout(hf: Mapping[str, Tensor], spec: ArchSpec) -> dict[str, Tensor]:
+    """Checkpoint names -> the parameter names of a transformers model in memory (the engine's)."""
+    out = {k: v for k, v in hf.items() if ".mlp.experts." not in k}
+    for i in spec.moe_layers:
+        ex = f"model.layers.{i}.mlp.experts."
+        out[ex + "gate_up_proj"] = torch.stack([torch.cat([hf[f"{ex}{e}.gate_proj.weight"],
+                                                           hf[f"{ex}{e}.up_proj.weight"]])
+                                                for e in range(spec.num_experts)])
+        out[ex + "down_proj"] = torch.stack([hf[f"{ex}{e}.down_proj.weight"] for e in range(spec.num_experts)])
+    if spec.tied_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
 # -- fused tensors -----------------------------------------------------------------------------------
 
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, spec: ArchSpec) -> Tensor:
