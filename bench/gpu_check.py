@@ -102,7 +102,7 @@ def check_trainer(name: str, make: Any, trajs: list[Trajectory], device: str, st
         first: dict[str, float] = {}
         times = []
         _reset_peak(device)
-        for i in range(steps):
+        for _ in range(steps):
             _sync(device)
             t0 = time.perf_counter()
             m = trainer.train_step(TrainBatch(trajs, adv))

@@ -69,6 +69,8 @@ class MegatronConfig:
     expert_parallel: int = 1  # MoE experts split over this many ranks of each pipeline stage
     expert_tensor_parallel: int = 1
     context_parallel: int = 1
+    first_stage_layers: int | None = None  # uneven pipelines: layers on the first / last stage
+    last_stage_layers: int | None = None
 
 
 @dataclass(frozen=True)

@@ -77,3 +77,7 @@ def test_parallel_sizes_that_do_not_divide_are_named(tmp_path):
         ParallelSizes(expert=3).check(spec)
     with pytest.raises(UserError, match="pipeline_parallel=3"):
         ParallelSizes(pipeline=3).check(spec)
+    assert ParallelSizes(pipeline=3, first_stage_layers=2).stage_sizes(4) == [2, 1, 1]
+    assert ParallelSizes(pipeline=3, first_stage_layers=1, last_stage_layers=1).stage_sizes(4) == [1, 2, 1]
+    with pytest.raises(UserError, match="first_stage_layers"):
+        ParallelSizes(pipeline=3, first_stage_layers=1).check(spec)  # 3 layers left for 2 stages

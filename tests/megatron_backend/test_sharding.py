@@ -22,6 +22,7 @@ HERE = Path(__file__).parent
 @pytest.mark.parametrize("arch,sizes", [
     ("tiny-qwen3", ParallelSizes(tensor=2, pipeline=2)),
     ("tiny-qwen3", ParallelSizes(tensor=4, pipeline=4)),
+    ("tiny-qwen3", ParallelSizes(pipeline=3, first_stage_layers=2)),  # uneven: 2 + 1 + 1 layers
     ("tiny-qwen3-moe", ParallelSizes(tensor=2, pipeline=2, expert=4, expert_tensor=2)),
 ])
 def test_shard_then_merge_is_identity(arch, sizes, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,29 @@ class ParallelSizes:
     expert: int = 1
     context: int = 1
     expert_tensor: int = 1
+    # Uneven pipelines (e.g. 61 layers): the first / last stage hold these many layers, the middle
+    # stages split the rest evenly (Megatron's num_layers_in_first/last_pipeline_stage).
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def stage_sizes(self, num_layers: int) -> list[int] | None:
+        """Layers per pipeline stage, or None when they cannot be laid out."""
+        pp = self.pipeline
+        first, last = self.first_stage_layers, self.last_stage_layers
+        if pp == 1:
+            return None if (first or last) else [num_layers]
+        ends = [x for x in (first, last) if x is not None]
+        middle_stages = pp - len(ends)
+        rest = num_layers - sum(ends)
+        if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and rest % middle_stages):
+            return None
+        per = rest // middle_stages if middle_stages else 0
+        sizes = [per] * pp
+        if first is not None:
+            sizes[0] = first
+        if last is not None:
+            sizes[-1] = last
+        return sizes
 
     def check(self, spec: ArchSpec, world_size: int | None = None) -> None:
         """Every parallel size must divide the dimension it splits; a clear error names which does not."""
@@ -27,8 +51,10 @@ class ParallelSizes:
                         ("FFN hidden size", spec.ffn_hidden_size)):
             if n % tp:
                 problems.append(f"tensor_parallel={tp} does not divide the {what} ({n})")
-        if spec.num_layers % self.pipeline:
-            problems.append(f"pipeline_parallel={self.pipeline} does not divide the {spec.num_layers} layers")
+        if self.stage_sizes(spec.num_layers) is None:
+            problems.append(f"pipeline_parallel={self.pipeline} (first stage {self.first_stage_layers}, last stage "
+                            f"{self.last_stage_layers}) cannot lay out the {spec.num_layers} layers; set "
+                            "megatron.first_stage_layers / last_stage_layers so the middle stages divide the rest")
         if spec.is_moe:
             if spec.num_experts % self.expert:
                 problems.append(f"expert_parallel={self.expert} does not divide the {spec.num_experts} experts")
@@ -50,6 +76,28 @@ class ParallelSizes:
             raise UserError("invalid Megatron parallel sizes: " + "; ".join(problems))
 
 
+def layout_spec(config: Mapping[str, Any]) -> ArchSpec:
+    """The dimensions a parallel layout depends on, from any decoder's config.json (Qwen3, Qwen3-MoE,
+    GLM-4.5, DeepSeek-V3/Kimi-K2 spell the expert fields differently). For checking layouts only: the
+    weight converter dispatches on the architecture (bridge.arch_spec)."""
+    def first(*keys: str, default: Any = None) -> Any:
+        return next((config[k] for k in keys if config.get(k) is not None), default)
+
+    layers = int(config["num_hidden_layers"])
+    experts = int(first("num_experts", "n_routed_experts", "num_local_experts", default=0))
+    dense_first = int(first("first_k_dense_replace", default=0))
+    heads = int(config["num_attention_heads"])
+    return ArchSpec(
+        num_layers=layers, hidden_size=int(config["hidden_size"]), num_heads=heads,
+        num_kv_heads=int(first("num_key_value_heads", default=heads)),
+        head_dim=int(first("head_dim", default=int(config["hidden_size"]) // heads)),
+        ffn_hidden_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), rope_theta=0.0, norm_eps=0.0,
+        max_position_embeddings=0, num_experts=experts, moe_topk=int(first("num_experts_per_tok", default=0)),
+        moe_ffn_hidden_size=int(first("moe_intermediate_size", default=0)),
+        moe_layers=tuple(range(dense_first, layers)) if experts else ())
+
+
 def padded_vocab(spec: ArchSpec, tensor_parallel: int, multiple: int = 128) -> int:
     """Megatron splits the vocabulary across TP ranks: pad it to a multiple of 128 * TP, like Megatron-LM."""
     step = multiple * tensor_parallel
@@ -69,6 +117,8 @@ def transformer_config(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype 
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=sizes.tensor, pipeline_model_parallel_size=sizes.pipeline,
+        num_layers_in_first_pipeline_stage=sizes.first_stage_layers,
+        num_layers_in_last_pipeline_stage=sizes.last_stage_layers,
         context_parallel_size=sizes.context,
         # sequence parallelism needs the fused TE/Apex norms; torch norms (CPU) run without it
         sequence_parallel=sizes.tensor > 1 and _has_te(),

@@ -38,8 +38,12 @@ class RankCoords:
 
 
 def stage_layers(spec: ArchSpec, sizes: ParallelSizes, stage: int) -> range:
-    per = spec.num_layers // sizes.pipeline
-    return range(stage * per, (stage + 1) * per)
+    per_stage = sizes.stage_sizes(spec.num_layers)
+    if per_stage is None:
+        sizes.check(spec)  # raises with the reason
+        raise AssertionError("unreachable")
+    start = sum(per_stage[:stage])
+    return range(start, start + per_stage[stage])
 
 
 def _split(t: Tensor, how: str, parts: int, rank: int) -> Tensor:

@@ -63,7 +63,8 @@ class MegatronTrainer:
         mcfg = megatron or MegatronConfig()
         self.sizes = ParallelSizes(tensor=mcfg.tensor_parallel, pipeline=mcfg.pipeline_parallel,
                                    expert=mcfg.expert_parallel, context=mcfg.context_parallel,
-                                   expert_tensor=mcfg.expert_tensor_parallel)
+                                   expert_tensor=mcfg.expert_tensor_parallel,
+                                   first_stage_layers=mcfg.first_stage_layers, last_stage_layers=mcfg.last_stage_layers)
         if self.sizes.pipeline > 1 or self.sizes.context > 1:
             raise UserError("megatron.pipeline_parallel and megatron.context_parallel > 1 are not wired into "
                             "the training step yet; use tensor/expert/data parallelism (pipeline=1, context=1)")
