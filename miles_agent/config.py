@@ -97,6 +97,8 @@ class EnvConfig:
     max_total_tokens: int = 1024
     max_new_tokens_per_turn: int = 96
     max_observation_tokens: int = 256
+    agent: str = ""  # black-box harness: the agent command, or module:function of an async agent
+    agent_timeout_s: float = 600.0  # black-box harness: the agent's wall-clock limit per episode
 
 
 @dataclass(frozen=True)
