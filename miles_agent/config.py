@@ -61,6 +61,19 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """Parallel layout for train.backend=megatron (ranks = tensor * pipeline * context * data)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1  # MoE experts split over this many ranks of each pipeline stage
+    expert_tensor_parallel: int = 1
+    context_parallel: int = 1
+    first_stage_layers: int | None = None  # uneven pipelines: layers on the first / last stage
+    last_stage_layers: int | None = None
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     advantage: str = "grpo"
     normalize_std: bool = True  # False = Dr.GRPO
@@ -118,6 +131,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     run: RunConfig = field(default_factory=RunConfig)
