@@ -19,7 +19,8 @@ def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
 
         return launch.build_trainer(cfg, model, tokenizer)
     return registry.load("trainers", cfg.train.backend)(
-        model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device)
+        model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device,
+        **trainer_extra(cfg))
 
 
 def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
@@ -37,13 +38,19 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
 
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
+    """The weight transport ``cfg.sync`` names (inprocess, shm, distributed, disk) over these engines."""
     if _on_ray(cfg):
         from miles_agent.runtime import launch
 
         return launch.build_transport(cfg, trainer, engines)
-    from miles_agent.weight_sync import InProcessTransport
+    from miles_agent.weight_sync.factory import build_transport as build
 
-    return InProcessTransport(engines)
+    return build(cfg.sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device)
+
+
+def trainer_extra(cfg: Config) -> dict[str, Any]:
+    """Backend-specific trainer arguments (Megatron's parallel layout), in-process or on Ray ranks."""
+    return {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
 
 
 def _on_ray(cfg: Config) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_agent.config import Config
+from miles_agent.errors import UserError
 from miles_agent.runtime import ray_cluster
 
 
@@ -70,6 +71,7 @@ class _ClosingTrainer:
 
 
 def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    from miles_agent.components import trainer_extra
     from miles_agent.runtime.trainer_actor import RayTrainerGroup
 
     sess = session(cfg)
@@ -80,7 +82,7 @@ def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
 
     group = RayTrainerGroup(model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature,
                             device=cfg.model.device, options=sess.placement.trainer_options, loopback=sess.loopback,
-                            before_train=before_train)
+                            before_train=before_train, extra=trainer_extra(cfg))
     sess.trainer = _ClosingTrainer(group, sess)
     return sess.trainer
 
@@ -117,4 +119,7 @@ class ObjectStoreTransport:
 
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
+    if cfg.sync.transport != "inprocess":
+        raise UserError(f"cluster.mode=ray sends weights to the engine actors through Ray's object store; "
+                        f"sync.transport={cfg.sync.transport} is for cluster.mode=local (leave sync.transport unset)")
     return ObjectStoreTransport(engines[0])

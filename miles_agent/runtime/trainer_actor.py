@@ -39,7 +39,7 @@ class TrainerActor:
             return host, s.getsockname()[1]
 
     def setup(self, rank: int, world_size: int, master: tuple[str, int], backend: str, model: Any, tokenizer: Any,
-              train_cfg: Any, algo_cfg: Any, temperature: float, device: str) -> int:
+              train_cfg: Any, algo_cfg: Any, temperature: float, device: str, extra: dict[str, Any]) -> int:
         import torch
 
         from miles_agent import registry
@@ -48,7 +48,7 @@ class TrainerActor:
                           MASTER_PORT=str(master[1]))
         torch.set_num_threads(1)
         self.trainer = registry.load("trainers", backend)(model, tokenizer, train_cfg, algo_cfg,
-                                                          temperature=temperature, device=device)
+                                                          temperature=temperature, device=device, **extra)
         return os.getpid()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -89,7 +89,7 @@ class RayTrainerGroup:
 
     def __init__(self, model: Any, tokenizer: Any, train_cfg: Any, algo_cfg: Any, *, temperature: float,
                  device: str, options: Callable[[int], dict[str, Any]], loopback: bool = True,
-                 before_train: Callable[[], None] | None = None) -> None:
+                 before_train: Callable[[], None] | None = None, extra: dict[str, Any] | None = None) -> None:
         import ray
 
         n = train_cfg.world_size
@@ -100,7 +100,8 @@ class RayTrainerGroup:
         master = self._all([self.actors[0].address.remote(loopback)])[0]
         model_ref, tok_ref = ray.put(model.to("cpu")), ray.put(tokenizer)
         self.pids = self._all([a.setup.remote(r, n, master, train_cfg.backend, model_ref, tok_ref, train_cfg,
-                                              algo_cfg, temperature, device) for r, a in enumerate(self.actors)])
+                                              algo_cfg, temperature, device, extra or {})
+                                   for r, a in enumerate(self.actors)])
 
     def _all(self, refs: list[Any]) -> list[Any]:
         """Every rank's answer, in rank order. Results are taken as they come, so one dead rank ends
