@@ -70,3 +70,14 @@ def test_a_topology_larger_than_the_cluster_is_a_clear_error(ray_session, monkey
     monkeypatch.setattr(ray_cluster, "PLACEMENT_TIMEOUT_S", 1.0)
     with pytest.raises(UserError, match="could not place 3 bundles"):
         place(ClusterConfig(num_engines=1, trainer_gpus=2, gpus_per_engine=1), 2)  # 2 ranks x 2 GPUs + more than the 4 there are
+
+
+def test_unknown_cluster_mode_and_ray_only_transports_are_clear_errors():
+    from miles_agent.components import build_trainer
+    from miles_agent.config import load_config
+    from miles_agent.runtime.launch import build_transport
+
+    with pytest.raises(UserError, match="cluster.mode must be local or ray"):
+        build_trainer(load_config(None, {"cluster.mode": "slurm"}), None, None)
+    with pytest.raises(UserError, match="sync.transport=disk is for cluster.mode=local"):
+        build_transport(load_config(None, {"cluster.mode": "ray", "sync.transport": "disk"}), None, [None])
