@@ -95,6 +95,7 @@ class Run:
 
         from miles_agent.algorithms.advantages import get_advantage_fn
         from miles_agent.components import build_engines, build_trainer, build_transport
+        from miles_agent.distill import build_distiller
         from miles_agent.models.loading import load_policy
 
         check_device(cfg.model.device)
@@ -113,6 +114,7 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        self.distiller = build_distiller(cfg, self.env, self.tokenizer, self.engine)  # None unless a teacher is set
         self.metrics = MetricsLog(self.run_dir)
         self.step = 0
         self._resync_version: int | None = None
@@ -151,7 +153,11 @@ class Run:
                 progress.phase("train")
             adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
                                                 normalize_std=cfg.algo.normalize_std)
-            train_metrics = self.trainer.train_step(TrainBatch(trainable, per_token(trainable, adv)))
+            batch = TrainBatch(trainable, per_token(trainable, adv))
+            if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
+                batch, distill_metrics = await self.distiller.apply(batch)
+                record.update(distill_metrics)
+            train_metrics = self.trainer.train_step(batch)
             t2 = time.perf_counter()
             if progress:
                 progress.phase("sync")
@@ -216,6 +222,10 @@ class Run:
 def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
     """Build a run and train it; returns the per-step metric records. ``progress(run)`` makes the live
     view once the run is built (so bad input fails before any bar is drawn)."""
+    if cfg.algo.loss == "sft":  # supervised: a dataset of trajectories instead of rollouts
+        from miles_agent.sft import train_sft
+
+        return train_sft(cfg, resume=resume, progress=progress)
     run = Run(cfg, resume=resume)
     view = progress(run) if progress else None
 
@@ -225,6 +235,8 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
         finally:
             for engine in run.engines:
                 await engine.shutdown()
+            if run.distiller is not None:
+                await run.distiller.shutdown()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
             if view is not None:
