@@ -87,6 +87,7 @@ class SFTConfig:
     split: str = "sft"  # the env's task split the demonstrator plays
     tool_rate: float = 1.0  # demonstrator data: how often it calls its tool (arith-tools: 1.0 = the oracle)
     batch_size: int = 32  # trajectories per optimizer step
+    max_examples: int = 0  # use at most this many trajectories (the first ones); 0 = all
 
 
 @dataclass(frozen=True)

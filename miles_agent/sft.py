@@ -37,15 +37,17 @@ TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
 # -- data ------------------------------------------------------------------------------------------
 
 def demonstrations(env: Environment, harness: Harness, tokenizer: Any, *, split: str = "sft",
-                   tool_rate: float = 1.0, seed: int = 0, concurrency: int = 256) -> list[Trajectory]:
-    """The env's demonstrator playing every task of ``split`` once through ``harness`` (TITO data)."""
+                   tool_rate: float = 1.0, seed: int = 0, limit: int = 0, concurrency: int = 256
+                   ) -> list[Trajectory]:
+    """The env's demonstrator playing the tasks of ``split`` (the first ``limit``; 0 = all) once
+    each through ``harness`` (TITO data)."""
     from miles_agent.rollout.episodes import EpisodeRunner, collect
 
     if not hasattr(env, "demonstrator"):
         raise UserError(f"environment {env.name!r} has no demonstrator to make SFT data; set sft.data to a "
                         "JSONL file of trajectories (one Trajectory.to_dict() per line)")
     try:
-        tasks = env.tasks(split)
+        tasks = env.tasks(split)[:limit or None]
     except ValueError as e:
         raise UserError(f"sft.split={split!r}: {e}") from None
     policy = env.demonstrator(tokenizer, tool_rate=tool_rate, seed=seed)
@@ -63,8 +65,9 @@ def write_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> 
     return path
 
 
-def read_trajectories(path: str | Path, vocab_size: int | None = None) -> list[Trajectory]:
-    """Trainable trajectories from a JSONL file; a bad line is a UserError naming the line and the fix.
+def read_trajectories(path: str | Path, vocab_size: int | None = None, limit: int = 0) -> list[Trajectory]:
+    """Trainable trajectories from a JSONL file (the first ``limit``; 0 = all); a bad line is a UserError
+    naming the line and the fix.
 
     Lines whose status is ``failed``/``aborted`` or that train no token are skipped (and counted in a
     warning): they carry nothing to imitate. A missing reward is allowed, since SFT ignores rewards.
@@ -81,6 +84,8 @@ def read_trajectories(path: str | Path, vocab_size: int | None = None) -> list[T
             t = _parse_line(line, f"{path} line {number}", vocab_size)
             if t.status in TRAINABLE and any(t.loss_mask):
                 out.append(t)
+                if len(out) == limit:
+                    break
             else:
                 skipped += 1
     if skipped:
@@ -127,8 +132,8 @@ def load_data(cfg: Config, env: Environment, tokenizer: Any, vocab_size: int) ->
         from miles_agent.loop import build_harness
 
         return demonstrations(env, build_harness(cfg, env, tokenizer), tokenizer, split=cfg.sft.split,
-                              tool_rate=cfg.sft.tool_rate, seed=cfg.run.seed)
-    return read_trajectories(cfg.sft.data, vocab_size)
+                              tool_rate=cfg.sft.tool_rate, seed=cfg.run.seed, limit=cfg.sft.max_examples)
+    return read_trajectories(cfg.sft.data, vocab_size, limit=cfg.sft.max_examples)
 
 
 # -- training --------------------------------------------------------------------------------------
@@ -162,8 +167,9 @@ class SFTRun:
         from miles_agent.models.loading import load_policy
 
         check_device(cfg.model.device)
-        if cfg.sft.batch_size < 1:
-            raise UserError(f"sft.batch_size must be >= 1, got {cfg.sft.batch_size}")
+        if cfg.sft.batch_size < 1 or cfg.sft.max_examples < 0:
+            raise UserError(f"sft.batch_size must be >= 1 and sft.max_examples >= 0 (0 = all), got "
+                            f"{cfg.sft.batch_size} and {cfg.sft.max_examples}")
         self.cfg, self.step = cfg, 0
         self.run_dir = Path(cfg.run.run_dir)
         torch.manual_seed(cfg.run.seed)
