@@ -34,13 +34,12 @@ def check_mode(mode: str) -> str:
 
 
 def reverse_kl_tokens(trajectory: Trajectory, student: Sequence[float], teacher: Sequence[float]) -> list[float]:
-    """``student - teacher`` at each response position the model sampled, 0.0 elsewhere (observations)."""
+    """``student - teacher`` at each trainable response token, 0.0 elsewhere (tool output, template)."""
     n = trajectory.response_length
     if len(student) != n or len(teacher) != n:
         raise ValueError(f"trajectory {trajectory.uid}: {len(student)} student / {len(teacher)} teacher "
                          f"logprobs for {n} response tokens")
-    sampled = trajectory._sampled_positions()
-    return [s - t if m else 0.0 for s, t, m in zip(student, teacher, sampled)]
+    return [s - t if m else 0.0 for s, t, m in zip(student, teacher, trajectory.loss_mask)]
 
 
 def fold_into_advantages(task_advantages: Sequence[Sequence[float]], kl: Sequence[Sequence[float]], *,

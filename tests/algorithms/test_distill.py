@@ -38,14 +38,15 @@ def two_turns() -> Trajectory:
     return t
 
 
-def test_reverse_kl_is_student_minus_teacher_on_sampled_tokens_only():
+def test_reverse_kl_is_student_minus_teacher_on_trainable_tokens_only():
     t = two_turns()
-    kl = reverse_kl_tokens(t, [-1.0, -2.0, -9.0, -0.5], [-1.5, -1.0, -3.0, -0.5])
-    assert kl == [0.5, -1.0, 0.0, 0.0]  # the observation token (tool output) carries nothing
-    adv = fold_into_advantages([[2.0, 2.0, 2.0, 2.0]], [kl], coef=0.5, task_coef=0.25)
-    assert adv == [[0.5 - 0.25, 0.5 + 0.5, 0.5, 0.5]]
+    t.append_model([7], [-0.1], weight_version=0, turn=2, trainable=False)  # e.g. a span cut by an abort
+    kl = reverse_kl_tokens(t, [-1.0, -2.0, -9.0, -0.5, -2.0], [-1.5, -1.0, -3.0, -0.5, -1.0])
+    assert kl == [0.5, -1.0, 0.0, 0.0, 0.0]  # the observation token (tool output) carries nothing
+    adv = fold_into_advantages([[2.0] * 5], [kl], coef=0.5, task_coef=0.25)
+    assert adv == [[0.5 - 0.25, 0.5 + 0.5, 0.5, 0.5, 0.5]]
     with pytest.raises(ValueError, match="3 student / 4 teacher logprobs for 4 response tokens"):
-        reverse_kl_tokens(t, [0.0] * 3, [0.0] * 4)
+        reverse_kl_tokens(two_turns(), [0.0] * 3, [0.0] * 4)
 
 
 def test_loss_mode_gradient_is_coef_times_kl_per_token():
