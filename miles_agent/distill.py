@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,14 @@ class Distiller:
 
     async def apply(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
         """The batch to train on, and ``distill/*`` metrics (token means over trainable tokens)."""
-        trajs = batch.trajectories
+        trajs, start = batch.trajectories, time.perf_counter()
         teacher, student = await asyncio.gather(score_responses(self.teacher, trajs, 1.0),
                                                 score_responses(self.student, trajs, self.temperature))
         kl = [alg.reverse_kl_tokens(t, s, q) for t, s, q in zip(trajs, student, teacher)]
         metrics = {"distill/reverse_kl": alg.masked_mean(kl, trajs),
                    "distill/teacher_logp": alg.masked_mean(teacher, trajs),
-                   "distill/student_logp": alg.masked_mean(student, trajs)}
+                   "distill/student_logp": alg.masked_mean(student, trajs),
+                   "time/distill_scoring": time.perf_counter() - start}
         if self.mode == "reward":
             adv = alg.fold_into_advantages(batch.advantages, kl, coef=self.coef, task_coef=self.task_coef)
             return TrainBatch(trajs, adv), metrics
