@@ -48,7 +48,7 @@ class Distiller:
     """Turns a batch's task advantages into distillation targets (see the module docstring)."""
 
     def __init__(self, teacher: Scorer, student: Scorer, *, mode: str = "reward", coef: float = 1.0,
-                 task_coef: float = 0.0, temperature: float = 1.0) -> None:
+                 task_coef: float = 1.0, temperature: float = 1.0) -> None:
         self.teacher, self.student = teacher, student
         self.mode = alg.check_mode(mode)
         if coef < 0 or task_coef < 0:
