@@ -64,6 +64,8 @@ def test_bad_inputs_fail_with_one_line_naming_the_fix(tmp_path, capsys):
     bad.write_text('{"prompt_ids": [1]}\n')
     assert train("--recipe", "tiny-sft", "--run-dir", str(tmp_path / "b"), f"sft.data={bad}") == 2
     assert "bad.jsonl line 1: not a trajectory, key 'tokens' is missing" in capsys.readouterr().err
+    assert train("--recipe", "tiny-sft", "--run-dir", str(tmp_path / "r"), "--resume") == 2
+    assert "--resume is for RL runs" in capsys.readouterr().err
     assert train("--recipe", "tiny-distill", "--run-dir", str(tmp_path / "c"),
                  f"algo.distill_teacher={tmp_path / 'none'}") == 2
     assert "is not an HF model folder (no config.json)" in capsys.readouterr().err
