@@ -97,6 +97,9 @@ def build_distiller(cfg: Config, env: Environment, tokenizer: Any, student: Any)
     if algo.distill_teacher is None:
         return None
     alg.check_mode(algo.distill_mode)
+    if algo.distill_mode == "loss" and cfg.train.backend != "fsdp2":
+        raise UserError(f"algo.distill_mode=loss is applied by the fsdp2 trainer, not train.backend="
+                        f"{cfg.train.backend!r}; use algo.distill_mode=reward (the same gradient at ratio 1)")
     if not isinstance(student, Scorer):
         raise UserError(f"rollout.engine={cfg.rollout.engine!r} cannot score tokens (no `score`), which "
                         "distillation needs; use rollout.engine=local")

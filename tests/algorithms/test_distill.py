@@ -178,3 +178,12 @@ def test_reward_and_loss_modes_take_the_same_first_step():
         if mode == "loss":
             assert out["distill_kl"] > 0 and out["loss"] == pytest.approx(out["pg_loss"] + out["distill_loss"])
     assert norms["loss"] == pytest.approx(norms["reward"], rel=1e-3)
+
+
+def test_loss_mode_needs_a_trainer_that_applies_it():
+    from miles_agent.config import load_config
+    from miles_agent.distill import build_distiller
+
+    cfg = load_config("tiny-distill", {"train.backend": "megatron", "algo.distill_mode": "loss"})
+    with pytest.raises(UserError, match="distill_mode=loss is applied by the fsdp2 trainer.*distill_mode=reward"):
+        build_distiller(cfg, None, None, None)
