@@ -16,7 +16,6 @@ teacher at temperature 1 (its own distribution).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,6 @@ from miles_agent.environment import Environment
 from miles_agent.errors import UserError
 from miles_agent.trainer import TrainBatch
 from miles_agent.types import Trajectory
-
-log = logging.getLogger(__name__)
 
 
 async def score_responses(engine: Scorer, trajectories: list[Trajectory], temperature: float = 1.0
