@@ -73,12 +73,14 @@ def _config(args: argparse.Namespace) -> Any:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from miles_agent.loop import train
-    from miles_agent.progress import Progress
+    from miles_agent.progress import Progress, generated_tokens
 
     cfg = _config(args)
     enabled = cfg.run.progress and not args.no_progress
     records = train(cfg, resume=args.resume,
-                    progress=lambda run: Progress(cfg.run.steps, start=run.step, enabled=enabled))
+                    progress=lambda run: Progress(cfg.run.steps, start=run.step, enabled=enabled,
+                                                  generated_tokens=lambda: generated_tokens(run.engines),
+                                                  concurrency=cfg.rollout.concurrency))
     if records:
         first = [r["reward_mean"] for r in records[:5]]
         last = [r["reward_mean"] for r in records[-5:]]
