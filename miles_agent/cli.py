@@ -172,7 +172,7 @@ def add_observability_commands(sub: Any) -> None:
     p.add_argument("--from", dest="first", type=int, help="first dumped step to replay (default: the first)")
     p.add_argument("--to", dest="last", type=int, help="last step to replay (default: the last consecutive one)")
     p.add_argument("--out", help="write the replayed step records here as JSONL")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config changes to try, e.g. train.lr=1e-5")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config changes to try, right after RUN_DIR, e.g. train.lr=1e-5")
 
 
 def cmd_report(args: argparse.Namespace) -> int:

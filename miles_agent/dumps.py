@@ -37,12 +37,13 @@ class StepDump:
         return [t for t, _ in pairs], [a for _, a in pairs]
 
 
-def dump_lines(step: int, trajs: list[Trajectory], advantages: dict[str, list[float]]) -> list[str]:
-    """Trained trajectories first (in the order given), then the rest."""
-    trained = [t for t in trajs if t.uid in advantages]
-    rest = [t for t in trajs if t.uid not in advantages]
-    return [json.dumps({"step": step, **t.to_dict(), "advantages": advantages.get(t.uid)}) + "\n"
-            for t in trained + rest]
+def dump_lines(step: int, trajs: list[Trajectory], trained: list[Trajectory],
+               advantages: list[list[float]]) -> list[str]:
+    """The trained trajectories in trainer order with their advantages, then the others of ``trajs``."""
+    adv = {t.uid: list(a) for t, a in zip(trained, advantages)}
+    rest = [t for t in trajs if t.uid not in adv]
+    return [json.dumps({"step": step, **t.to_dict(), "advantages": adv.get(t.uid)}) + "\n"
+            for t in [*trained, *rest]]
 
 
 def step_path(folder: Path, step: int) -> Path:
@@ -114,16 +115,18 @@ class RolloutRecorder:
 
     def record(self, step: int, trajs: list[Trajectory], trained: list[Trajectory],
                advantages: list[list[float]]) -> Path | None:
-        adv = {t.uid: list(a) for t, a in zip(trained, advantages)}
         if self.samples:
+            picked = pick_samples(trajs, self.samples)
+            adv = {t.uid: a for t, a in zip(trained, advantages)}
             with self.samples_path.open("a") as f:
-                f.writelines(dump_lines(step, pick_samples(trajs, self.samples), adv))
+                f.writelines(json.dumps({"step": step, **t.to_dict(), "advantages": adv.get(t.uid)}) + "\n"
+                             for t in picked)
         if not self.every or step % self.every:
             return None
         path = step_path(self.run_dir / ROLLOUTS_DIR, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(dump_lines(step, trajs, adv)))
+        tmp.write_text("".join(dump_lines(step, trajs, trained, advantages)))
         tmp.rename(path)  # a reader never sees half a step
         return path
 

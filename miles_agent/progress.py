@@ -25,6 +25,7 @@ class Progress:
                           dynamic_ncols=True)
         self.bar: Any = None
         self.phase_name = ""
+        self.done, self.total = 0, 0  # the phase bar's count (kept here too: a disabled tqdm counts nothing)
         self._generated_tokens = generated_tokens
         self._concurrency = concurrency
         self._tokens0, self._t0 = 0, 0.0
@@ -38,6 +39,7 @@ class Progress:
         self.phase_name = name
         self._tokens0 = self._generated_tokens() if self._generated_tokens else 0
         self._t0 = time.perf_counter()
+        self.done, self.total = 0, total or 0
         if name == "rollout":
             self._new_bar(total=total, desc="rollout episodes", unit="ep")
             self._rollout_postfix()
@@ -50,9 +52,9 @@ class Progress:
 
     def rollout_status(self) -> dict[str, float]:
         """Episodes in flight and generated tokens per second since the rollout began."""
-        if self.bar is None or self.phase_name != "rollout":
+        if self.phase_name != "rollout":
             return {}
-        left = (self.bar.total or 0) - self.bar.n
+        left = self.total - self.done
         in_flight = min(left, self._concurrency) if self._concurrency else left
         out = {"in_flight": float(in_flight)}
         if self._generated_tokens:
@@ -69,20 +71,24 @@ class Progress:
 
     def episode_done(self, *_: Any) -> None:
         if self.bar is not None and self.phase_name == "rollout":
+            self.done += 1
             self.bar.update()
             self._rollout_postfix()
 
     def micro_batch_done(self, done: int, total: int) -> None:
         if self.bar is not None and self.phase_name == "train":
-            self.bar.total = total
-            self.bar.update(done - self.bar.n)
+            self.bar.total, self.total = total, total
+            self.bar.update(done - self.done)
+            self.done = done
 
     def track_sync(self, named_tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Pass the weight stream through, counting bytes on the sync bar as the transport consumes it."""
         for name, t in named_tensors:
             yield name, t
             if self.bar is not None and self.phase_name == "sync":
-                self.bar.update(t.numel() * t.element_size())
+                nbytes = t.numel() * t.element_size()
+                self.done += nbytes
+                self.bar.update(nbytes)
 
     def step_done(self, record: dict[str, Any], line: str) -> None:
         self._close_bar()

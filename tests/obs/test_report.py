@@ -33,7 +33,7 @@ def main_job_run(tmp_path_factory):
 def test_report_has_every_plot_and_sample_trajectories(main_job_run):
     page = main_job_run / "report" / "report.html"
     text = page.read_text()
-    for name, title, _ in PLOTS:
+    for name, _title, _ in PLOTS:
         png = main_job_run / "report" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == PNG, name
         assert f"src='plots/{name}.png'" in text
