@@ -25,7 +25,7 @@ def main_job_run(tmp_path_factory):
     CI quick; the full 8-task batch takes ~4x longer), then `miles-agent report`."""
     run_dir = tmp_path_factory.mktemp("tiny-cpu")
     assert main(["train", "--env", "arith-tools", "--recipe", "tiny-cpu", "--run-dir", str(run_dir),
-                 "--no-progress", "run.steps=3", "rollout.prompts_per_step=2"]) == 0
+                 "--no-progress", "run.steps=3", "rollout.prompts_per_step=2", "run.sinks=tensorboard"]) == 0
     assert main(["report", str(run_dir)]) == 0
     return run_dir
 
@@ -50,6 +50,18 @@ def test_report_has_every_plot_and_sample_trajectories(main_job_run):
     # the model's tool call is shown as text (escaped), never as markup
     assert "&lt;tool_call&gt;" in text and "<tool_call>" not in text
     assert "class='trained model'" in text and "class='masked observation'" in text
+
+
+def test_the_loop_feeds_the_configured_sink(main_job_run):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(main_job_run / "tensorboard"))
+    acc.Reload()
+    records = [json.loads(line) for line in (main_job_run / "metrics.jsonl").read_text().splitlines()]
+    for key in ("reward_mean", "train/loss", "time/step", "failures/episode_retries", "staleness/mean"):
+        got = [(e.step, e.value) for e in acc.Scalars(key)]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records], key
 
 
 def test_report_renders_in_a_real_browser(main_job_run):
