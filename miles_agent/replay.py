@@ -24,14 +24,14 @@ def _flatten(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Any:
-    from miles_agent.config import _split_override, load_config
+    from miles_agent.config import load_config
 
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise UserError(f"{run_dir} has no config.json; replay needs the run directory the dumps came from")
-    data = _flatten(json.loads(path.read_text()))
-    data.update(dict(_split_override(o) for o in overrides or []))
-    return load_config(None, data)
+    # The run's values as overrides (JSON is YAML), then the user's, which win.
+    saved = [f"{key}={json.dumps(value)}" for key, value in _flatten(json.loads(path.read_text())).items()]
+    return load_config(None, saved + list(overrides or []))
 
 
 def _start_weights(run_dir: Path, first_step: int) -> Path | None:
