@@ -113,28 +113,72 @@ def e2e_vs_trl(quick: bool, repeats: int) -> dict[str, Any]:
 _RATIO = re.compile(r"(\d+(?:\.\d+)?)\s*[x×]\b")
 
 
+def _weight_sync_ratios(data: dict[str, Any]) -> dict[str, list[float]]:
+    """bench/weight_sync.py JSON: per transport, raw-baseline time / transport time per repeat."""
+    short = {"shm": "raw shared-memory copy", "distributed": "raw gloo broadcast", "disk": "raw safetensors save+load"}
+    return {f"weight sync {kind}: bandwidth / {short.get(kind, 'raw baseline')}":
+            [raw / t for t, raw in zip(r["seconds"], r["raw_seconds"])] for kind, r in data["results"].items()}
+
+
+def _async_ratios(data: dict[str, Any]) -> dict[str, list[float]]:
+    """bench/async_vs_sync.py JSON: its mode/sync step-time ratios, inverted into speedups."""
+    return {f"step time: sync / {mode} (speedup)": [1.0 / v for v in r["all"]]
+            for mode, r in data["ratio_vs_sync"].items()}
+
+
+# How to run another part's bench: arguments (quick, full given repeats) and how to read its JSON.
+EXTERNAL: dict[str, tuple[list[str], Callable[[int], list[str]], Callable[[dict[str, Any]], dict[str, list[float]]]]] = {
+    "weight_sync": (["--quick"], lambda n: ["--repeat", str(n)], _weight_sync_ratios),
+    "async_vs_sync": (["--repeats", "1", "--steps", "2", "--warmup", "1", "--prompts", "2", "--samples", "2"],
+                      lambda n: ["--repeats", str(n)], _async_ratios),
+}
+
+
+def _supported(source: str, args: list[str]) -> list[str]:
+    """Keep only the flags (and their values) the script's source mentions, so a changed CLI degrades."""
+    out, i = [], 0
+    while i < len(args):
+        takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+        if f'"{args[i]}"' in source:
+            out += args[i:i + 1 + takes_value]
+        i += 1 + takes_value
+    return out
+
+
 def external(name: str) -> Callable[[bool, int], dict[str, Any]]:
-    """A bench another part of the project owns: run ``bench/NAME.py`` if it exists and read the
-    ratios (``1.23x``) off its output, one label per output line."""
+    """A bench another part of the project owns: run ``bench/NAME.py`` if it exists (its own repeats),
+    read its ``--json`` output, else the ratios (``1.23x``) off its stdout, one label per line."""
 
     def run(quick: bool, repeats: int) -> dict[str, Any]:
+        import tempfile
+
         script = BENCH_DIR / f"{name}.py"
         if not script.is_file():
             return {"status": "not available", "ratios": {}, "detail": {"note": f"bench/{name}.py is not in this checkout"}}
-        ratios: dict[str, list[float]] = {}
-        outputs = []
-        for _ in range(repeats):
-            proc = subprocess.run([sys.executable, str(script), *(["--quick"] if quick else [])], cwd=ROOT,
-                                  capture_output=True, text=True, timeout=300 if quick else 3600)
+        quick_args, full_args, parse = EXTERNAL.get(name, (["--quick"], lambda n: [], None))
+        source = script.read_text()
+        with tempfile.TemporaryDirectory() as d:
+            out_json = Path(d) / "out.json"
+            args = _supported(source, [*(quick_args if quick else full_args(repeats)), "--json", str(out_json)])
+            proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=600 if quick else 3600)
             if proc.returncode != 0:
                 raise RuntimeError(f"bench/{name}.py exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-            outputs.append(proc.stdout)
+            ratios: dict[str, list[float]] = {}
+            if parse is not None and out_json.is_file():
+                try:
+                    ratios = parse(json.loads(out_json.read_text()))
+                except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                    ratios = {}
+        if not ratios:
             for line in proc.stdout.splitlines():
                 found = _RATIO.findall(line)
                 if found:
                     label = re.sub(r"\s+", " ", _RATIO.sub("", line)).strip(" :|-")
                     ratios.setdefault(label or name, []).append(float(found[-1]))
-        return {"ratios": ratios, "detail": {"stdout_last_repeat": outputs[-1][-4000:]}}
+        if not ratios:
+            raise RuntimeError(f"bench/{name}.py printed no ratio this suite can read: {proc.stdout.strip()[-300:]}")
+        return {"ratios": ratios, "detail": {"args": args[:-2], "stdout": proc.stdout[-4000:]}}
 
     return run
 
