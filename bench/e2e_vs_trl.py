@@ -4,13 +4,17 @@ Both start from the same shipped warm start with the tiny-cpu recipe's batch (8 
 learning rate, temperature and per-turn token limit, and stop at the first step whose mean reward
 reaches ``--target``. Time counts training steps only (model loading left out on both sides).
 
-TRL runs **single-turn**: its GRPOTrainer samples one completion per prompt with HF ``generate``.
-Its multi-turn tool loop needs a response parser for the chat template (TRL ships them for the
-stock Qwen/Llama/GLM templates, not for our tiny model's), so the env's tools cannot answer
-mid-episode. The reward function is the environment's own scorer: it opens an arith-tools
-session, executes the tool calls found in the completion (the model never sees their results)
-and scores the completion as the episode's last assistant message. A policy that calls the tool
-and then answers ``<answer>ans</answer>`` in the same completion scores 1, as in the env.
+TRL runs **multi-turn** (``--trl-mode multi``, the default) through its experimental
+``environment_factory`` tool loop: each sample gets an arith-tools session (the env's own
+``calc`` tool and scorer), the model's ``<tool_call>`` is parsed with TRL's Qwen3 response
+template (our tiny template writes the same tags), the result comes back as a tool message, and
+the reward is the env's scorer on the final answer. The prompt renders the env's own tool schema,
+so both sides see identical prompt tokens. Limits: TRL's ``max_completion_length`` spans the whole
+multi-turn completion, set to 2 x the per-turn limit; ``max_tool_calling_iterations`` = max_turns - 1.
+
+``--trl-mode single`` is the fallback for TRL versions without that loop: one completion per prompt;
+the reward function runs the tool calls found in it (the model never sees their results) and scores
+it as the last assistant message.
 
     python bench/e2e_vs_trl.py                 # target 0.7, at most 20 steps each
     python bench/e2e_vs_trl.py --quick         # proves the machinery: 1 step each, tiny batch
@@ -108,7 +112,51 @@ def score_completion(env: Any, task: Any, text: str) -> float:
     return asyncio.run(go())
 
 
-def trl(target: float, max_steps: int, overrides: dict[str, Any], out_dir: str) -> dict[str, Any]:
+class ArithSession:
+    """TRL's per-sample environment: an arith-tools session; its public methods are the tools."""
+
+    env: Any = None  # set by trl(); TRL builds instances with no arguments
+    tasks: dict[str, Any] = {}
+
+    def reset(self, **row: Any) -> None:
+        self.session = asyncio.run(self.env.open(self.tasks[row["task_id"]]))
+
+    def calc(self, expr: str = "") -> str:
+        """+-* calculator; no expr: the question
+
+        Args:
+            expr: the arithmetic to evaluate; leave it out to evaluate the question
+        """
+        return asyncio.run(self.session.call_tool("calc", {"expr": expr} if expr else {}))
+
+
+def _session_score(e: ArithSession, final_text: str) -> float:
+    return asyncio.run(e.session.score([{"role": "assistant", "content": final_text}])).value
+
+
+def _final_text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    texts = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
+    return texts[-1] if texts else ""
+
+
+def _render_env_tools(tok: Any, schemas: list[dict[str, Any]]) -> None:
+    """Render the env's own tool schema wherever TRL passes its tool callables, so TRL's prompts are
+    token-identical to ours (TRL would otherwise derive a schema from the docstring)."""
+    original = tok.apply_chat_template
+
+    def apply(*args: Any, tools: Any = None, **kw: Any) -> Any:
+        if tools:
+            tools = [schemas[0] if callable(t) else t for t in tools]
+        return original(*args, tools=tools, **kw)
+
+    tok.apply_chat_template = apply
+
+
+def trl(target: float, max_steps: int, overrides: dict[str, Any], out_dir: str, mode: str = "multi") -> dict[str, Any]:
+    import os
+
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -123,13 +171,24 @@ def trl(target: float, max_steps: int, overrides: dict[str, Any], out_dir: str) 
     model, tok = load_policy(cfg, env)
     n_prompts, k = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     tasks = env.tasks("train")[: n_prompts * max_steps]
+    multi: dict[str, Any] = {}
+    if mode == "multi":
+        from trl.chat_template_utils import qwen3_template
+
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        tok.response_template = qwen3_template  # parses <tool_call>{json}</tool_call>, as our template writes
+        _render_env_tools(tok, env_tools(env, tasks[0]))
+        ArithSession.env, ArithSession.tasks = env, {t.id: t for t in tasks}
+        multi = {"environment_factory": ArithSession}
     by_prompt: dict[str, Any] = {}
     for t in tasks:
         text = tok.apply_chat_template(list(t.messages), tools=[*env_tools(env, t)], add_generation_prompt=True,
                                        tokenize=False)
         by_prompt[text] = t  # arith-tools prompts are unique per task
 
-    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    def reward(prompts: list[Any], completions: list[Any], environments: Any = None, **_: Any) -> list[float]:
+        if environments is not None:
+            return [_session_score(e, _final_text(c)) for e, c in zip(environments, completions)]
         return [score_completion(env, by_prompt[p], c) for p, c in zip(prompts, completions)]
 
     class Clock(TrainerCallback):
@@ -150,15 +209,21 @@ def trl(target: float, max_steps: int, overrides: dict[str, Any], out_dir: str) 
                 if logs["reward"] >= target:
                     control.should_training_stop = True
 
+    turns = cfg.env.max_turns
     args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=n_prompts * k, num_generations=k,
-                      max_completion_length=cfg.env.max_new_tokens_per_turn, temperature=cfg.rollout.temperature,
+                      max_completion_length=cfg.env.max_new_tokens_per_turn * (2 if multi else 1),
+                      max_tool_calling_iterations=turns - 1 if multi else None, temperature=cfg.rollout.temperature,
                       learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0,
                       max_grad_norm=cfg.train.grad_clip, beta=0.0, loss_type="dapo", epsilon=cfg.algo.clip_eps,
                       max_steps=max_steps, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no",
                       bf16=False, fp16=False, seed=cfg.run.seed, shuffle_dataset=False, disable_tqdm=True)
     clock = Clock()
+    if multi:  # conversational prompts; the env session is opened per sample from task_id
+        data = Dataset.from_dict({"prompt": [list(t.messages) for t in tasks], "task_id": [t.id for t in tasks]})
+    else:
+        data = Dataset.from_dict({"prompt": list(by_prompt)})
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok,
-                          train_dataset=Dataset.from_dict({"prompt": list(by_prompt)}), callbacks=[clock])
+                          train_dataset=data, callbacks=[clock], **multi)
     trainer.train()
     return _summary(clock.rewards, clock.times[: len(clock.rewards)], target)
 
@@ -168,7 +233,7 @@ def env_tools(env: Any, task: Any) -> list[dict[str, Any]]:
     return list(getattr(session, "tools", []) or [])
 
 
-def measure(quick: bool = False, target: float = 0.7, max_steps: int = 20) -> dict[str, Any]:
+def measure(quick: bool = False, target: float = 0.7, max_steps: int = 20, trl_mode: str = "multi") -> dict[str, Any]:
     from miles_agent.errors import require
 
     require("trl", "bench", "the TRL baseline")
@@ -179,15 +244,16 @@ def measure(quick: bool = False, target: float = 0.7, max_steps: int = 20) -> di
                      "env.max_new_tokens_per_turn": 24}
     with tempfile.TemporaryDirectory() as d:
         a = ours(target, max_steps, overrides, f"{d}/ours")
-        b = trl(target, max_steps, overrides, f"{d}/trl")
+        b = trl(target, max_steps, overrides, f"{d}/trl", trl_mode)
     if a["reached"] and b["reached"]:
         ratio, note = b["seconds"] / a["seconds"], ""
     elif a["reached"]:
         ratio, note = b["seconds"] / a["seconds"], f"TRL did not reach {target} in {b['steps']} steps: a lower bound"
     else:
         ratio, note = float("nan"), f"miles-agent did not reach {target} in {max_steps} steps"
-    return {"ratios": {f"time to reward {target}: TRL single-turn / miles-agent": [ratio]},
-            "detail": {"target": target, "max_steps": max_steps, "ours": a, "trl_single_turn": b, "note": note}}
+    return {"ratios": {f"time to reward {target}: TRL GRPOTrainer ({trl_mode}-turn) / miles-agent": [ratio]},
+            "detail": {"target": target, "max_steps": max_steps, "trl_mode": trl_mode, "ours": a, "trl": b,
+                       "note": note}}
 
 
 def main() -> None:
@@ -195,12 +261,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--target", type=float, default=0.7)
     ap.add_argument("--max-steps", type=int, default=20)
+    ap.add_argument("--trl-mode", choices=["multi", "single"], default="multi")
     a = ap.parse_args()
-    out = measure(a.quick, a.target, a.max_steps)
+    out = measure(a.quick, a.target, a.max_steps, a.trl_mode)
     for name, (ratio,) in out["ratios"].items():
         print(f"{name}: {ratio:.2f}x")
     d = out["detail"]
-    for side in ("ours", "trl_single_turn"):
+    for side in ("ours", "trl"):
         s = d[side]
         print(f"  {side:16s} reached={s['reached']} after {s['steps']} steps, {s['seconds']:.1f} s; "
               f"rewards {' '.join(f'{r:.2f}' for r in s['rewards'])}")
