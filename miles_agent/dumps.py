@@ -108,6 +108,9 @@ class RolloutRecorder:
             raise UserError(f"run.dump_rollouts ({every}) and run.log_samples ({samples}) must be >= 0")
         self.run_dir, self.every, self.samples = Path(run_dir), every, samples
         self.samples_path = self.run_dir / SAMPLES_FILE
+        if start_step == 0 and (self.run_dir / ROLLOUTS_DIR).is_dir():  # a fresh run in an old folder
+            for old in (self.run_dir / ROLLOUTS_DIR).glob("step_*.jsonl"):
+                old.unlink()
         if self.samples_path.exists():  # a resumed run redoes the steps after its checkpoint
             kept = [line for line in self.samples_path.read_text().splitlines(keepends=True)
                     if line.strip() and json.loads(line).get("step", 0) < start_step]

@@ -170,8 +170,8 @@ class Run:
             t3 = time.perf_counter()
             record.update({f"train/{k}": v for k, v in train_metrics.items()})
             record.update(sync)
-            record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
-                           "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
+            record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
+                           "time/step": t3 - t0, "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
             self.step += 1
             self.metrics.write(record)
             records.append(record)

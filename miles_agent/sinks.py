@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,11 +49,13 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 class TensorBoardSink:
     """One scalar per key, at global step ``record["step"]``, in ``RUN_DIR/tensorboard/``."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resume: bool = False) -> None:
         require("tensorboard", "tensorboard", "run.sinks=tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(run_dir) / "tensorboard"
+        if not resume:  # a fresh run in an old folder: its curves must not mix with the old run's
+            shutil.rmtree(self.log_dir, ignore_errors=True)
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -114,7 +117,7 @@ def build_sinks(run_dir: Path, sinks: str, config: dict[str, Any] | None = None,
     extras: list[Sink] = []
     for name in names:
         if name == "tensorboard":
-            extras.append(TensorBoardSink(run_dir))
+            extras.append(TensorBoardSink(run_dir, resume))
         elif name == "wandb":
             extras.append(WandbSink(run_dir, wandb_project, json.loads(json.dumps(config or {}, default=str)), resume))
     return MetricSinks(run_dir, extras)
