@@ -240,8 +240,8 @@ def measure(quick: bool = False, target: float = 0.7, max_steps: int = 20, trl_m
     overrides: dict[str, Any] = {}
     if quick:
         target, max_steps = 0.0, 1
-        overrides = {"rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 4,
-                     "env.max_new_tokens_per_turn": 24}
+        overrides = {"rollout.prompts_per_step": 1, "rollout.samples_per_prompt": 2,
+                     "env.max_new_tokens_per_turn": 16}
     with tempfile.TemporaryDirectory() as d:
         a = ours(target, max_steps, overrides, f"{d}/ours")
         b = trl(target, max_steps, overrides, f"{d}/trl", trl_mode)
