@@ -156,21 +156,23 @@ def sft_steps(trainer: Any, data: Sequence[Trajectory], steps: int, batch_size: 
 
 
 class SFTRun:
-    """One ``algo.loss: sft`` run: data, trainer, ``run.steps`` steps, ``metrics.jsonl`` and ``final/``."""
+    """One ``algo.loss: sft`` run: data, trainer, ``run.steps`` steps, ``metrics.jsonl`` (and the
+    ``run.sinks``) and ``final/``."""
 
     def __init__(self, cfg: Config) -> None:
         import torch
 
         from miles_agent.components import build_trainer
         from miles_agent.loop import build_env, check_device
-        from miles_agent.metrics import MetricsLog
         from miles_agent.models.loading import load_policy
+        from miles_agent.sinks import build_sinks
 
         check_device(cfg.model.device)
         if cfg.sft.batch_size < 1 or cfg.sft.max_examples < 0:
             raise UserError(f"sft.batch_size must be >= 1 and sft.max_examples >= 0 (0 = all), got "
                             f"{cfg.sft.batch_size} and {cfg.sft.max_examples}")
         self.cfg, self.step = cfg, 0
+        self.engines: list[Any] = []  # no rollout engine: what the live view reads finds nothing to count
         self.run_dir = Path(cfg.run.run_dir)
         torch.manual_seed(cfg.run.seed)
         env = build_env(cfg)
@@ -179,7 +181,7 @@ class SFTRun:
         self.trainer = build_trainer(cfg, model, tokenizer)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        self.metrics = MetricsLog(self.run_dir)
+        self.metrics = build_sinks(self.run_dir, cfg.run.sinks, cfg.to_dict(), cfg.run.wandb_project)
         self.metrics.path.unlink(missing_ok=True)
 
     def train(self, progress: Any = None) -> list[dict[str, Any]]:
@@ -223,5 +225,6 @@ def train_sft(cfg: Config, resume: bool = False, progress: Callable[[Any], Any] 
     finally:
         if hasattr(run.trainer, "close"):
             run.trainer.close()
+        run.metrics.close()
         if view is not None:
             view.close()
