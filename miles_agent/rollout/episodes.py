@@ -38,6 +38,8 @@ class EpisodeStats:
     retries: int = 0  # attempts re-queued after an infrastructure failure
     aborted: int = 0  # episodes given up after max_retries infrastructure failures (not trained, not scored)
     failed: int = 0  # episodes that failed for a task reason (not retried)
+    sandbox_errors: int = 0  # attempts lost to a sandbox failure (each one retried or aborted)
+    aborts: int = 0  # attempts whose generation the engine aborted
     errors: list[str] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
@@ -61,6 +63,7 @@ class EpisodeRunner:
                 trajs = await self._attempt(task, policy)
             except InfraError as e:
                 last_error = f"{'sandbox' if isinstance(e, SandboxError) else 'infra'}: {e}"
+                self.stats.sandbox_errors += int(isinstance(e, SandboxError))
             except (RunAborted, UserError):
                 raise
             except Exception as e:  # noqa: BLE001 - a task failure: recorded and returned, not retried
@@ -73,6 +76,7 @@ class EpisodeRunner:
                         t.metadata["attempts"] = attempt + 1
                     return trajs
                 last_error = "generation aborted"
+                self.stats.aborts += 1
             self.stats.retries += 1
             log.info("episode %s attempt %d failed (%s); retrying", task.id, attempt + 1, last_error)
         return [self._give_up(task, group_id, Status.ABORTED, last_error)]
