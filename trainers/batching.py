@@ -68,6 +68,7 @@ class MicroBatch:
     advantages: Tensor  # [B, K]
     rollout_logp: Tensor  # [B, K]
     response_cols: list[tuple[int, int]]  # per row: (first grid column of the response, response length)
+    routed_experts: Tensor | None = None  # [B, L, moe_layers, top_k] replay ids (R3), -1 = not replayed
 
     @property
     def keep(self) -> int:
@@ -78,6 +79,8 @@ class MicroBatch:
         for name in ("input_ids", "attention_mask", "targets", "loss_mask", "sampled", "advantages",
                      "rollout_logp"):
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        if self.routed_experts is not None:
+            self.routed_experts = self.routed_experts.to(device, non_blocking=True)
         return self
 
     def rows_to_lists(self, grid: Tensor) -> list[list[float]]:
