@@ -25,7 +25,8 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
                         "use rollout.engine=local (the embedded engine)")
     from miles_agent.rollout.local import LocalEngine
 
-    return [LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device)]
+    return [LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device,
+                        true_on_policy=cfg.algo.true_on_policy)]
 
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
