@@ -45,7 +45,11 @@ class _ReplayState:
 
 
 def install(model: nn.Module) -> None:
-    """Hook every MoE router of ``model`` (idempotent); a dense model is a clear error."""
+    """Hook every MoE router of ``model`` (idempotent); a dense model is a clear error.
+
+    The state lives on the model and its routers, not in the hook's closure, so a deep copy of the
+    model (the KL reference model) replays through its own copy of the state.
+    """
     if hasattr(model, "_routing_replay"):
         return
     routers = moe_routers(model)
@@ -55,7 +59,8 @@ def install(model: nn.Module) -> None:
     cfg = model.config
     state = _ReplayState(int(cfg.num_experts_per_tok), bool(getattr(cfg, "norm_topk_prob", True)))
     for layer, router in enumerate(routers):
-        router.register_forward_hook(_make_hook(state, layer))
+        router._replay_state, router._replay_layer = state, layer
+        router.register_forward_hook(_replay_hook)
     model._routing_replay = state  # type: ignore[attr-defined]
 
 
@@ -73,17 +78,15 @@ def replaying(model: nn.Module, ids: Tensor | None) -> Iterator[None]:
         state.ids = None
 
 
-def _make_hook(state: _ReplayState, layer: int):  # noqa: ANN202 - a torch forward hook
-    def hook(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor, Tensor]) -> tuple | None:
-        if state.ids is None:
-            return None
-        logits, weights, ids = output
-        rows = state.ids[..., layer, :].reshape(-1, state.top_k)
-        if rows.shape[0] != logits.shape[0]:
-            raise ValueError(f"routing replay has {rows.shape[0]} token rows for a forward of {logits.shape[0]}")
-        return replay_gate(logits, ids, rows, state.norm_topk_prob)
-
-    return hook
+def _replay_hook(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor, Tensor]) -> tuple | None:
+    state: _ReplayState = module._replay_state
+    if state.ids is None:
+        return None
+    logits, _, natural = output
+    rows = state.ids[..., module._replay_layer, :].reshape(-1, state.top_k)
+    if rows.shape[0] != logits.shape[0]:
+        raise ValueError(f"routing replay has {rows.shape[0]} token rows for a forward of {logits.shape[0]}")
+    return replay_gate(logits, natural, rows, state.norm_topk_prob)
 
 
 def replay_gate(logits: Tensor, natural_ids: Tensor, replay_ids: Tensor,

@@ -151,6 +151,16 @@ def test_train_step_with_replay_trains_the_router():
     trainer.close()
 
 
+def test_the_kl_reference_model_replays_too():
+    """Forced routing on both the policy and its reference copy: identical, so the KL is exactly 0."""
+    model, tok = build_tiny("tiny-qwen3-moe", seed=0)
+    trainer = FSDP2Trainer(model, tok, TrainConfig(lr=0.0), AlgoConfig(routing_replay=True, kl_coef=0.1))
+    traj = _trajectory([5, 6, 7, 8], [60, 61, 62, 63], np.zeros((7, 4, 2), dtype=np.int32) + [0, 1])
+    traj.rollout_logprobs = trainer.compute_logprobs([traj])[0]
+    assert trainer.train_step(TrainBatch([traj], [[1.0] * 4]))["kl"] == 0.0
+    trainer.close()
+
+
 def test_replay_errors_name_the_cause():
     model, tok = build_tiny("tiny-qwen3", seed=0)
     with pytest.raises(UserError, match="needs a MoE model"):
