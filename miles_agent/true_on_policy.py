@@ -10,7 +10,10 @@ How this removes it (on CPU; the same recipe as batch-invariant GPU kernels): ev
 result could depend on the batch is replaced by one whose arithmetic is a fixed function of the token's
 own values only.
 
-* Reductions (matmul, norms, softmax, attention) go through `det_sum`: the reduced axis is cut into
+* Matrix products (linear layers, attention scores) go through `det_matmul`: both operands are
+  rounded per row to integer multiples of a power of two, so float64 BLAS sums them exactly, in
+  whatever order it likes. Other reductions (norms, softmax, attention over values) go through
+  `det_sum`: the reduced axis is cut into
   blocks of `BLOCK` from index 0, each block is summed by a fixed pairwise tree of elementwise adds,
   and the block sums are added left to right. Elementwise IEEE adds and multiplies are exact functions
   of their inputs whatever the tensor shape, and trailing zeros (masked keys, padding) never change
@@ -26,8 +29,8 @@ own values only.
 Gradients: each patched op is a `torch.autograd.Function` whose backward differentiates the ordinary
 torch implementation of the same function, so training is unchanged apart from forward rounding.
 
-Cost: all this is elementwise work that BLAS would do far faster; `bench/true_on_policy.py` prints
-the slowdown against the normal mode.
+Cost: float64 GEMMs instead of float32 ones, and the rest is elementwise work that fused kernels
+would do faster; `bench/true_on_policy.py` prints the slowdown against the normal mode.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch import Tensor, nn
 from miles_agent.errors import UserError
 
 BLOCK = 32  # reduction block (a power of two)
-_CHUNK_ELEMS = 1 << 22  # bound on the [rows, N, K] product tensors a matmul materializes at once
+_CHUNK_ELEMS = 1 << 22  # bound on the [B, H, Q, S, D] products attention over values materializes at once
 
 
 # -- exact-order primitives --------------------------------------------------------------------------
@@ -71,15 +74,44 @@ def _sum_leading(x: Tensor) -> Tensor:
     return acc
 
 
+def _pow2(k: Tensor) -> Tensor:
+    """2.0 ** k as float64 for integer tensors k, built from the exponent bits (exact)."""
+    return torch.bitwise_left_shift(k.to(torch.int64) + 1023, 52).view(torch.float64)
+
+
+def _to_integers(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """``x ~= q * scale`` per row: q integer-valued float64 with ``|q| <= 2**bits``, scale a power of two
+    that depends only on the row's largest magnitude."""
+    xd = x.double()
+    _, e = torch.frexp(xd.abs().amax(-1, keepdim=True))  # |row| < 2**e
+    scale = _pow2(e - bits)
+    return torch.round(xd / scale), scale
+
+
 def det_matmul(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` for x ``[..., K]``, w ``[N, K]``; each output is `det_sum` of its K products."""
-    rows = x.reshape(-1, x.shape[-1])
-    n, k = w.shape
-    wt = w.T[:, None, :]
-    step = max(1, _CHUNK_ELEMS // max(1, n * k))
-    parts = [_sum_leading(rows[i:i + step].T[:, :, None] * wt) for i in range(0, rows.shape[0], step)]
-    out = torch.cat(parts) if parts else rows.new_zeros((0, n))
-    return out.reshape(*x.shape[:-1], n)
+    """``x @ w.T`` for x ``[..., K]``, w ``[N, K]``, exact in float64 whatever BLAS does.
+
+    Each row of x and of w is rounded to an integer multiple of a power-of-two quantum (``bits``
+    significant bits relative to the row's largest entry, 20-24 bits: float32's 24 bits, a little
+    less for long rows). Products of such integers and their sums over K stay below 2**53, so float64
+    BLAS computes them exactly in any order, blocking or thread split; scaling back is exact and the
+    one rounding to float32 at the end depends only on the two rows.
+    """
+    k = x.shape[-1]
+    bits = min(24, (53 - max(1, math.ceil(math.log2(max(k, 2))))) // 2)
+    qx, sx = _to_integers(x.reshape(-1, k), bits)
+    qw, sw = _to_integers(w, bits)
+    out = (qx @ qw.T) * sx * sw.T
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def det_bmm_nt(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b.transpose(-1, -2)`` over leading batch dims, exact as in `det_matmul` (rows scaled alone)."""
+    k = a.shape[-1]
+    bits = min(24, (53 - max(1, math.ceil(math.log2(max(k, 2))))) // 2)
+    qa, sa = _to_integers(a, bits)
+    qb, sb = _to_integers(b, bits)
+    return ((qa @ qb.transpose(-1, -2)) * sa * sb.transpose(-1, -2)).to(a.dtype)
 
 
 _LOG2E, _LN2_HI, _LN2_LO = 1.4426950408889634, 0.693145751953125, 1.4286067653302226e-06
@@ -153,7 +185,7 @@ def det_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) 
     outs = []
     for i in range(0, nq, step):
         qc, vc = q[:, :, i:i + step], valid[:, :, i:i + step]
-        scores = det_sum(qc[:, :, :, None, :] * k[:, :, None], -1) * scale
+        scores = det_bmm_nt(qc, k) * scale
         w = det_softmax(scores, vc.expand_as(scores))
         outs.append(det_sum(w[..., None] * v[:, :, None], -2))
     return torch.cat(outs, dim=2)
@@ -290,13 +322,16 @@ def _router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Ten
 
 
 def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    """HF's expert loop (experts in ascending order, so each token sums its experts in one fixed order)."""
-    out = torch.zeros_like(hidden_states)
+    """HF's expert loop; each token's expert outputs are summed in slot order (a fixed order per token)."""
+    slots = hidden_states.new_zeros((*top_k_index.shape, hidden_states.shape[-1]))  # [T, top_k, H]
     for e in top_k_index.unique().tolist():
         token_idx, slot = torch.where(top_k_index == e)
         gate, up = linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
         h = linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token_idx, slot, None]
-        out = out.index_add(0, token_idx, h.to(out.dtype))
+        slots = slots.index_put((token_idx, slot), h.to(slots.dtype))
+    out = slots[:, 0]
+    for j in range(1, slots.shape[1]):
+        out = out + slots[:, j]
     return out
 
 
