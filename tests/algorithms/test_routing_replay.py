@@ -94,7 +94,7 @@ def _bf16_router(router: torch.nn.Module) -> None:
     router.forward = forward
 
 
-def mismatch_experiment(seed: int = 0, n: int = 16, new_tokens: int = 48) -> dict[str, float]:
+def mismatch_experiment(seed: int = 0, n: int = 32, new_tokens: int = 40) -> dict[str, float]:
     """Mean |engine logp - trainer logp| over sampled tokens, without and with R3 (also used by bench/)."""
     model, tok = build_tiny("tiny-qwen3-moe", seed=0)
     with torch.no_grad():
@@ -131,8 +131,8 @@ def mismatch_experiment(seed: int = 0, n: int = 16, new_tokens: int = 48) -> dic
 
 
 def test_r3_cuts_the_rollout_train_mismatch_tenfold():
-    m = mismatch_experiment()
-    assert m["tokens"] >= 500
+    m = mismatch_experiment()  # measured 12.7x-14.7x over seeds 0-3 (about 1,100 tokens each)
+    assert m["tokens"] >= 1000
     assert m["r3"] > 0  # the bf16 gate weights still differ: R3 does not hide that
     assert m["natural"] >= 10 * m["r3"], m
 
