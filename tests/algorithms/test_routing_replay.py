@@ -162,6 +162,11 @@ def test_the_kl_reference_model_replays_too():
 
 
 def test_replay_errors_name_the_cause():
+    from miles_agent.components import build_trainer
+    from miles_agent.config import load_config
+
+    with pytest.raises(UserError, match="fsdp2 trainer only"):
+        build_trainer(load_config(None, {"train.backend": "megatron", "algo.routing_replay": True}), None, None)
     model, tok = build_tiny("tiny-qwen3", seed=0)
     with pytest.raises(UserError, match="needs a MoE model"):
         FSDP2Trainer(model, tok, TrainConfig(), AlgoConfig(routing_replay=True))

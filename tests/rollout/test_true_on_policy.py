@@ -49,6 +49,12 @@ def test_exact_reductions_do_not_depend_on_the_batch():
     padded = torch.cat([v, torch.zeros(4, 83)], -1)  # trailing zeros: masked keys, a longer cache
     assert torch.equal(top.det_sum(v, -1), top.det_sum(padded, -1))
     assert torch.equal(top.det_sum(v[2:3], -1), top.det_sum(v, -1)[2:3])
+    threads = torch.get_num_threads()
+    try:  # nor on the thread count (another process, another machine size)
+        torch.set_num_threads(1)
+        assert torch.equal(top.det_matmul(a, w), full)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _rollout(engine: LocalEngine, n: int, seed: int = 0) -> list[Trajectory]:
