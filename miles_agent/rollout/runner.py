@@ -215,9 +215,13 @@ class ModelRunner:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions = torch.arange(length, device=self.device)[None]
         mask = torch.ones((length, length), dtype=torch.bool, device=self.device).tril()[None, None]
-        h = self._forward(x, positions, lambda i, q, k, v: self._sdpa(q, k, v, mask), None)
+        h = self._forward(x, positions, lambda i, q, k, v: self._sdpa(q, k, v, mask, positions), None)
         logits = self._logits(h[0, start - 1:length - 1]) / temperature
         targets = x[0, start:, None]
+        if self.exact:  # true on-policy: the trainer's log-softmax, bit for bit
+            from miles_agent import true_on_policy
+
+            return true_on_policy.log_softmax(logits).gather(-1, targets).squeeze(-1).tolist()
         return (logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)).tolist()
 
     @torch.no_grad()

@@ -92,6 +92,10 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal():
     logps = trainer.compute_logprobs(trajs)  # packed into several right-padded micro-batches
     diffs = [a - b for t, row in zip(trajs, logps) for a, b in zip(row, t.rollout_logprobs)]
     assert len(diffs) == sampled and all(d == 0.0 for d in diffs), max(map(abs, diffs))
+    # the engine's teacher-forced scoring (one causal forward, no cache) gives the same bits too
+    t = trajs[3]
+    scores = asyncio.run(engine.score(t.tokens, logprob_start_len=len(t.prompt_ids), temperature=TEMPERATURE))
+    assert list(scores.input_token_logprobs) == logps[3]
     # the training forward (autograd through the exact kernels) sees the same numbers
     batch = TrainBatch(trajs[:4], [[1.0] * t.response_length for t in trajs[:4]])
     metrics = trainer.train_step(batch)
