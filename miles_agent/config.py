@@ -85,6 +85,9 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
     use_rollout_logprobs: bool = True  # rollout logprobs as the old policy (no extra forward)
+    # Rollout/train consistency (trainers/routing_replay.py, miles_agent/true_on_policy.py):
+    routing_replay: bool = False  # R3: MoE trainer forwards route by the engine's recorded expert ids
+    true_on_policy: bool = False  # engine and trainer share batch-invariant kernels: bitwise-equal logprobs
     # On-policy distillation (miles_agent/distill.py): off while distill_teacher is None.
     distill_teacher: str | None = None  # the teacher's HF folder, or "builtin" = the env's warm start
     distill_mode: str = "reward"  # reward: reverse KL in per-token advantages | loss: a loss term
