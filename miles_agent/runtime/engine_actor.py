@@ -19,7 +19,8 @@ from miles_agent.engine import Completion, PauseMode, SamplingParams
 class EngineActor:
     """Wrapped with ``ray.remote`` by ``remote_engine_class``; plain class so it stays importable without Ray."""
 
-    def __init__(self, model: Any, tokenizer: Any, max_batch_size: int, device: str, weight_version: int = 0) -> None:
+    def __init__(self, model: Any, tokenizer: Any, max_batch_size: int, device: str, weight_version: int = 0,
+                 true_on_policy: bool = False) -> None:
         import torch
 
         from miles_agent.rollout.local import LocalEngine
@@ -27,7 +28,7 @@ class EngineActor:
         torch.set_num_threads(1)  # tiny CPU engines share cores with the trainer ranks
         self.device = device
         self.engine = LocalEngine(model, tokenizer, max_batch_size=max_batch_size, device=device,
-                                  weight_version=weight_version)
+                                  weight_version=weight_version, true_on_policy=true_on_policy)
         self.released = False
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams,

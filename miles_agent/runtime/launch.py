@@ -99,8 +99,8 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
     r, c = cfg.rollout, cfg.cluster
 
     def spawn(i: int) -> Any:
-        return cls.options(**sess.placement.engine_options(i)).remote(model_ref, tok_ref, r.max_batch_size,
-                                                                        cfg.model.device)
+        return cls.options(**sess.placement.engine_options(i)).remote(
+            model_ref, tok_ref, r.max_batch_size, cfg.model.device, true_on_policy=cfg.algo.true_on_policy)
 
     sess.engines = EngineSupervisor(spawn, c.num_engines, health_check_interval_s=c.health_check_interval_s,
                                     health_check_timeout_s=c.health_check_timeout_s,
