@@ -58,6 +58,7 @@ class FakeSGLang:
         self.loras: dict[str, str] = {}
         self.requests = 0
         self.updates: list[dict[str, Any]] = []  # every weight request, for the tests
+        self.model_update_lock = asyncio.Lock()  # TokenizerManager.model_update_lock: one update at a time
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -174,7 +175,8 @@ class FakeSGLang:
             self.updates.append({"endpoint": method, "weight_version": body.get("weight_version"),
                                  "running": len(self.engine._running), "paused": self.engine._paused})
             try:
-                await getattr(self.receiver, method)(**body)
+                async with self.model_update_lock:
+                    await getattr(self.receiver, method)(**body)
             except Exception as e:  # noqa: BLE001 - SGLang reports every failure as success: false
                 content: dict[str, Any] = {"success": False, "message": f"{type(e).__name__}: {e}"}
                 if disk:

@@ -51,6 +51,8 @@ class SGLangEngine:
         self._version = 0
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._lock: asyncio.Lock | None = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.url!r})"
@@ -148,9 +150,12 @@ class SGLangEngine:
                                               group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
                                               weight_version: str | None = None,
                                               load_format: str | None = None) -> None:
-        await self._weights("/update_weights_from_distributed", dict(
-            names=names, dtypes=dtypes, shapes=[list(s) for s in shapes], group_name=group_name,
-            flush_cache=flush_cache, weight_version=weight_version, load_format=load_format), weight_version)
+        # The broadcasts must be received in announce order. Two pipelined POSTs travel on two connections
+        # and may reach the server in either order, so each announce waits for the previous one's answer.
+        async with self._announce_lock():
+            await self._weights("/update_weights_from_distributed", dict(
+                names=names, dtypes=dtypes, shapes=[list(s) for s in shapes], group_name=group_name,
+                flush_cache=flush_cache, weight_version=weight_version, load_format=load_format), weight_version)
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         await self._weights("/destroy_weights_update_group", {"group_name": group_name}, None)
@@ -161,7 +166,12 @@ class SGLangEngine:
             model_path=model_path, load_format=load_format, weight_version=weight_version), weight_version)
 
     async def check_weights(self, action: str = "checksum") -> dict[str, Any]:
-        return await self._weights("/weights_checker", {"action": action}, None)
+        body = await self._weights("/weights_checker", {"action": action}, None)
+        if not isinstance(body, dict) or "checksums" not in body:
+            raise WeightSyncError(f"{self.url}/weights_checker reports no per-tensor checksums (SGLang's checker "
+                                  "hashes whole engines), so sync.check cannot compare tensors; set "
+                                  "sync.check=false with rollout.engine=sglang")
+        return body
 
     # -- the rest of the admin API -------------------------------------------------------------------
     async def flush_cache(self) -> None:
@@ -193,6 +203,12 @@ class SGLangEngine:
         return self._version
 
     # -- HTTP ----------------------------------------------------------------------------------------
+    def _announce_lock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock_loop is not loop:
+            self._lock, self._lock_loop = asyncio.Lock(), loop
+        return self._lock
+
     def _http(self) -> aiohttp.ClientSession:
         """One session per event loop (the driver may run each phase under its own ``asyncio.run``)."""
         aiohttp = _aiohttp()
