@@ -46,7 +46,7 @@ class FakeServer:
         self.proc.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def start_fake(tmp_path_factory):
     servers: list[FakeServer] = []
 
@@ -60,9 +60,10 @@ def start_fake(tmp_path_factory):
         s.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dense_server(start_fake):
-    """tiny-qwen3 (seed 0), each scheduler step slowed by 20 ms so requests can be caught in flight."""
+    """tiny-qwen3 (seed 0) whose weights no test changes; each scheduler step is slowed by 20 ms so
+    requests can be caught in flight."""
     return start_fake("tiny-qwen3", "--decode-delay-s", "0.02", "--ignore-eos")
 
 

@@ -38,6 +38,12 @@ def greedy(model: torch.nn.Module, n: int) -> list[int]:
     return ids[len(PROMPT):]
 
 
+@pytest.fixture(scope="module")
+def weights_server(start_fake):
+    """A server of its own: these tests change its weights."""
+    return start_fake("tiny-qwen3", "--decode-delay-s", "0.02", "--ignore-eos")
+
+
 def make(kind: str, client: SGLangEngine, tmp_path, **kw):
     if kind == "shm":
         return SharedMemoryTransport([client], **kw)
@@ -47,11 +53,11 @@ def make(kind: str, client: SGLangEngine, tmp_path, **kw):
 
 
 @pytest.mark.parametrize("kind", ["shm", "distributed", "disk"])
-def test_transport_loads_the_server_model(kind, dense_server, tmp_path):
+def test_transport_loads_the_server_model(kind, weights_server, tmp_path):
     seed = 30 + list(ENDPOINTS).index(kind)
     model, named = trainer_weights(seed)
-    client = SGLangEngine(dense_server.url)
-    before = len(dense_server.state()["updates"])
+    client = SGLangEngine(weights_server.url)
+    before = len(weights_server.state()["updates"])
 
     async def main():
         tr = make(kind, client, tmp_path, bucket_bytes=512 << 10)
@@ -63,34 +69,34 @@ def test_transport_loads_the_server_model(kind, dense_server, tmp_path):
             await client.shutdown()
     out = asyncio.run(main())
     assert out.output_ids == greedy(model, GREEDY.max_new_tokens)  # the server samples with the trainer's weights
-    assert out.weight_version == seed == client.weight_version == dense_server.state()["weight_version"]
-    updates = dense_server.state()["updates"][before:]
+    assert out.weight_version == seed == client.weight_version == weights_server.state()["weight_version"]
+    updates = weights_server.state()["updates"][before:]
     assert {u["endpoint"] for u in updates} == set(ENDPOINTS[kind])
     assert all(u["paused"] for u in updates if u["endpoint"].startswith("update"))
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
-def test_weight_update_while_requests_are_in_flight(mode, dense_server, tmp_path):
+def test_weight_update_while_requests_are_in_flight(mode, weights_server, tmp_path):
     """Pause (each mode), load over the disk transport, continue: versions are recorded per span."""
     seed = 40 + ["abort", "retract", "in_place"].index(mode)
     _, named = trainer_weights(seed)
-    client = SGLangEngine(dense_server.url)
-    old = dense_server.state()["weight_version"]
+    client = SGLangEngine(weights_server.url)
+    old = weights_server.state()["weight_version"]
     sampling = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3)
 
     async def main():
         tr = DiskTransport([client], root=tmp_path / "weights", pause_mode=PauseMode(mode))
         try:
             tasks = [asyncio.ensure_future(client.generate(PROMPT, sampling)) for _ in range(3)]
-            start = dense_server.state()["generated_tokens"]
-            while dense_server.state()["generated_tokens"] < start + 9:  # every request is mid-way
+            start = weights_server.state()["generated_tokens"]
+            while weights_server.state()["generated_tokens"] < start + 9:  # every request is mid-way
                 await asyncio.sleep(0.01)
             await tr.push(named, version=seed)
             return await asyncio.gather(*tasks)
         finally:
             await client.shutdown()
     outs = asyncio.run(main())
-    update = dense_server.state()["updates"][-1]
+    update = weights_server.state()["updates"][-1]
     assert update["endpoint"] == "update_weights_from_disk" and update["paused"]
     for c in outs:
         if mode == "abort":  # finished at the pause with what they had, all sampled by the old weights

@@ -58,6 +58,7 @@ def build_sglang_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> 
     if sg.router_url:
         for e in engines:
             router.add_worker(sg.router_url, e.url)
+            e.router_url = sg.router_url
     return engines
 
 

@@ -19,6 +19,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,8 @@ from miles_agent.weight_sync.receiver import DEFAULT_GROUP
 if TYPE_CHECKING:  # pragma: no cover
     import aiohttp
     import torch
+
+log = logging.getLogger(__name__)
 
 
 class SGLangEngine:
@@ -47,6 +50,7 @@ class SGLangEngine:
         self.control_timeout_s = control_timeout_s
         self.routed_top_k, self.routed_layers = routed_top_k, routed_layers
         self.process = process
+        self.router_url: str | None = None  # set once registered with a router; shutdown deregisters
         self.stats: dict[str, int] = {"requests": 0, "engine_errors": 0, "aborted": 0}
         self._version = 0
         self._session: aiohttp.ClientSession | None = None
@@ -117,10 +121,18 @@ class SGLangEngine:
             return False
 
     async def shutdown(self) -> None:
-        """Close the HTTP session; stop the server too when this engine launched it."""
+        """Leave the router, close the HTTP session, and stop the server when this engine launched it."""
         if self._session is not None and self._session_loop is asyncio.get_running_loop():
             await self._session.close()
         self._session = self._session_loop = None
+        if self.router_url:
+            from miles_agent.rollout.sglang.router import RouterError, remove_worker
+
+            try:
+                await asyncio.to_thread(remove_worker, self.router_url, self.url)
+            except RouterError as e:  # the router may already be gone; the server still has to stop
+                log.warning("%s", e)
+            self.router_url = None
         if self.process is not None:
             await asyncio.to_thread(self.process.stop)
 
