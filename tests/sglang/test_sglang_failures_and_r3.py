@@ -17,7 +17,11 @@ from miles_agent.models.builder import build_tiny
 from miles_agent.rollout.episodes import EpisodeRunner
 from miles_agent.rollout.local import LocalEngine
 from miles_agent.rollout.sglang.client import SGLangEngine
-from miles_agent.rollout.sglang.wire import GenerateResponseError, decode_routed_experts, encode_routed_experts
+from miles_agent.rollout.sglang.wire import (
+    GenerateResponseError,
+    decode_routed_experts,
+    encode_routed_experts,
+)
 from miles_agent.types import Status
 
 PROMPT = [5, 17, 42, 99, 3, 7]
