@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import logging
 from collections.abc import Iterable
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_agent.engine import Completion, FinishReason, PauseMode, SamplingParams
 from miles_agent.errors import require
-from miles_agent.rollout.sglang.wire import generate_payload, parse_generate_response
+from miles_agent.rollout.sglang.wire import as_version, generate_payload, parse_generate_response
 from miles_agent.weight_sync.core import WeightSyncError
 from miles_agent.weight_sync.receiver import DEFAULT_GROUP
 
@@ -89,7 +88,8 @@ class SGLangEngine:
             return self._engine_error(f"SGLang server {url} answered HTTP {status}: {_error_message(body)}",
                                       len(ids))
         completion = parse_generate_response(body, prompt_len=len(ids), want_routed=return_routed_experts,
-                                             routed_top_k=self.routed_top_k, routed_layers=self.routed_layers)
+                                             routed_top_k=self.routed_top_k, routed_layers=self.routed_layers,
+                                             current_version=self._version)
         if completion.finish_reason is FinishReason.ABORT:
             self.stats["aborted"] += 1
         return completion
@@ -210,8 +210,7 @@ class SGLangEngine:
     async def refresh_weight_version(self) -> int:
         """Adopt the server's ``weight_version`` (``/get_model_info``), e.g. when attaching to a running one."""
         info = await self.get_model_info()
-        with contextlib.suppress(TypeError, ValueError):
-            self._version = int(info.get("weight_version") or 0)
+        self._version = as_version(info.get("weight_version"), self._version)
         return self._version
 
     # -- HTTP ----------------------------------------------------------------------------------------

@@ -75,8 +75,18 @@ def finish_reason(meta: dict[str, Any]) -> tuple[FinishReason, Any]:
     raise GenerateResponseError(f"unknown finish_reason type {kind!r}")
 
 
+def as_version(value: Any, fallback: int) -> int:
+    """SGLang's weight versions are strings (a server started without one reports e.g. "default"):
+    an integer string is ours, anything else means "the version the client last set"."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return fallback
+
+
 def parse_generate_response(body: dict[str, Any], *, prompt_len: int, want_routed: bool,
-                            routed_top_k: int | None = None, routed_layers: int | None = None) -> Completion:
+                            routed_top_k: int | None = None, routed_layers: int | None = None,
+                            current_version: int = 0) -> Completion:
     """A `Completion` from one non-streaming ``/generate`` response body."""
     try:
         output_ids = [int(t) for t in body["output_ids"]]
@@ -95,10 +105,10 @@ def parse_generate_response(body: dict[str, Any], *, prompt_len: int, want_route
         logprobs.append(float(entry[0]))
     prompt_tokens = int(meta.get("prompt_tokens", prompt_len))
     spans = meta.get("weight_versions") or []
-    version = int(meta.get("weight_version") or 0)
+    version = as_version(meta.get("weight_version"), current_version)
     out_meta: dict[str, Any] = {"rid": meta.get("id"), "retractions": int(meta.get("num_retractions", 0) or 0),
-                                "weight_versions": [(int(s["version"]), int(s["start"])) for s in spans]
-                                or [(version, 0)]}
+                                "weight_versions": [(as_version(s["version"], version), int(s["start"]))
+                                                    for s in spans] or [(version, 0)]}
     if reason is FinishReason.STOP and detail is not None:
         out_meta["matched_stop"] = detail
     if reason is FinishReason.ABORT:
