@@ -32,42 +32,59 @@ def tiny(arch: str):
     return build_tiny(arch)
 
 
-def test_engine_dying_mid_request_aborts_and_the_episode_is_counted_not_scored(start_fake):
+def test_engine_dying_mid_request_aborts_and_the_episode_is_retried_elsewhere(start_fake, dense_server):
+    """Two servers; the one serving the episode's first attempt dies mid-request. The request aborts with
+    the reason, the episode is retried (on the live server) and counted; nothing is scored 0."""
     server = start_fake("tiny-qwen3", "--decode-delay-s", "0.02")
-    cfg = load_config("tiny-cpu", ["env.name=arith-tools"])
+    cfg = load_config("tiny-cpu", ["env.name=arith-tools", "env.max_new_tokens_per_turn=8"])
     env = build_env(cfg)
     _, tok = tiny("tiny-qwen3")
     runner = EpisodeRunner(env, build_harness(cfg, env, tok), max_retries=2)
     task = env.tasks("train")[0]
-    client = SGLangEngine(server.url)
+    doomed = SGLangEngine(server.url)
+    policy = SGLangEngine(server.url, generate_urls=[server.url, dense_server.url])
 
     async def main():
         try:
-            assert await client.health()
-            await client.pause(PauseMode.IN_PLACE)  # requests queue in the server: they are in flight
-            direct = asyncio.ensure_future(client.generate(PROMPT, SamplingParams(max_new_tokens=8)))
-            episode = asyncio.ensure_future(runner.run(task, client, "g0"))
+            assert await doomed.health()
+            await doomed.pause(PauseMode.IN_PLACE)  # requests queue in the server: they are in flight
+            direct = asyncio.ensure_future(doomed.generate(PROMPT, SamplingParams(max_new_tokens=8)))
+            episode = asyncio.ensure_future(runner.run(task, policy, "g0"))  # round-robin: the doomed server
             while server.state()["waiting"] < 2:
                 await asyncio.sleep(0.01)
             server.kill()
-            return await direct, await episode, await client.health()
+            return await direct, await episode, await doomed.health()
         finally:
-            await client.shutdown()
+            await doomed.shutdown()
+            await policy.shutdown()
     direct, trajs, healthy = asyncio.run(main())
     assert direct.finish_reason is FinishReason.ABORT and direct.output_ids == []
     assert "failed mid-request" in direct.meta["error"]
     assert not healthy
-    # the episode: aborted on every attempt (mid-request, then refused), so retried and returned FAILED
+    assert all(t.status is not Status.FAILED and t.status is not Status.ABORTED for t in trajs)
+    assert all(t.metadata["attempts"] == 2 for t in trajs)
+    assert runner.stats.retries == 1 and runner.stats.failed == 0
+    assert policy.stats["engine_errors"] == 1 and policy._down == {server.url}
+
+    # with no live server left, every attempt aborts: the episode comes back FAILED and counted, unscored
+    alone = SGLangEngine(server.url)
+    runner2 = EpisodeRunner(env, build_harness(cfg, env, tok), max_retries=2)
+
+    async def again():
+        try:
+            return await runner2.run(task, alone, "g1")
+        finally:
+            await alone.shutdown()
+    trajs = asyncio.run(again())
     assert [t.status for t in trajs] == [Status.FAILED] and trajs[0].reward is None
-    assert runner.stats.retries == 3 and runner.stats.failed == 1
-    assert runner.stats.errors == [f"{task.id}: generation aborted"]
-    assert client.stats["engine_errors"] == 1 + 3  # the direct request and the episode's three attempts
+    assert runner2.stats.retries == 3 and runner2.stats.failed == 1
+    assert runner2.stats.errors == [f"{task.id}: generation aborted"]
+    assert alone.stats["engine_errors"] == 3
 
 
 def test_server_error_status_aborts_the_request(dense_server):
     """A 5xx (or any non-400 error) is the engine's failure: the request aborts, the caller retries."""
-    client = SGLangEngine(dense_server.url)
-    client.generate_url = f"{dense_server.url}/no_such_prefix"  # the fake answers 404 there
+    client = SGLangEngine(dense_server.url, generate_urls=[f"{dense_server.url}/no_such_prefix"])  # a 404
 
     async def main():
         try:

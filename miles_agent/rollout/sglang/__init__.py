@@ -35,7 +35,7 @@ def build_sglang_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> 
     sg = cfg.sglang
     top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
     client = dict(request_timeout_s=sg.request_timeout_s, control_timeout_s=sg.control_timeout_s,
-                  routed_top_k=int(top_k) if top_k else None, generate_url=sg.router_url or None)
+                  routed_top_k=int(top_k) if top_k else None)
     if sg.external_urls:
         engines = [SGLangEngine(url, **client) for url in sg.external_urls]
     else:
@@ -55,6 +55,10 @@ def build_sglang_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> 
             for e in engines:
                 e.process.stop()
             raise
+    # Episodes go through engines[0] (the loop's policy): it spreads requests over every server, or the router.
+    targets = [sg.router_url] if sg.router_url else [e.url for e in engines]
+    for e in engines:
+        e.generate_urls = [t.rstrip("/") for t in targets]
     if sg.router_url:
         for e in engines:
             router.add_worker(sg.router_url, e.url)

@@ -1,8 +1,9 @@
 """SGLangEngine: the `RolloutEngine` contract and the `WeightReceiver` protocol over one SGLang server's
 HTTP API (routes and status codes from sglang/srt/entrypoints/http_server.py).
 
-Generation goes to ``generate_url`` (the router, when there is one) or to the server itself; control
-and weight requests always go to the server itself. Every weight transport drives a server through this
+Generation goes to ``generate_urls`` (the router, when there is one; else every server, round-robin,
+skipping a server that just failed until it answers a health check again) or to the server itself;
+control and weight requests always go to the server itself. Every weight transport drives a server through this
 client: shm / CUDA IPC -> ``/update_weights_from_tensor``, distributed -> ``/init_weights_update_group``
 + ``/update_weights_from_distributed``, disk -> ``/update_weights_from_disk``.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import logging
 from collections.abc import Iterable
@@ -40,11 +42,13 @@ class SGLangEngine:
     routed-experts payload (it carries no shape); ``process`` is an `SGLangServer` this engine owns and
     stops on shutdown (None when attached to a server someone else runs)."""
 
-    def __init__(self, url: str, *, generate_url: str | None = None, request_timeout_s: float = 600.0,
+    def __init__(self, url: str, *, generate_urls: list[str] | None = None, request_timeout_s: float = 600.0,
                  control_timeout_s: float = 600.0, routed_top_k: int | None = None,
                  routed_layers: int | None = None, process: Any = None) -> None:
         self.url = url.rstrip("/")
-        self.generate_url = (generate_url or url).rstrip("/")
+        self.generate_urls = [u.rstrip("/") for u in (generate_urls or [url])]
+        self._turn = itertools.count()
+        self._down: set[str] = set()  # generate targets that failed; skipped until a health check passes
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
         self.routed_top_k, self.routed_layers = routed_top_k, routed_layers
@@ -74,17 +78,20 @@ class SGLangEngine:
             raise ValueError("input_ids is empty; the engine needs at least one prompt token")
         payload = generate_payload(ids, sampling, return_routed_experts=return_routed_experts)
         self.stats["requests"] += 1
-        url = f"{self.generate_url}/generate"
+        target = self._pick()
+        url = f"{target}/generate"
         try:
             async with self._http().post(url, json=payload,
                                          timeout=aiohttp.ClientTimeout(total=self.request_timeout_s)) as r:
                 status, body = r.status, _json_or_text(await r.text())
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            self._down.add(target)
             return self._engine_error(f"SGLang server {url} failed mid-request ({type(e).__name__}: {e}); "
                                       "the request is aborted so the episode is retried", len(ids))
         if status == 400:  # the request itself is wrong: fix the caller, retrying cannot help
             raise ValueError(f"SGLang {url} rejected the request: {_error_message(body)}")
         if status != 200:
+            self._down.add(target)
             return self._engine_error(f"SGLang server {url} answered HTTP {status}: {_error_message(body)}",
                                       len(ids))
         completion = parse_generate_response(body, prompt_len=len(ids), want_routed=return_routed_experts,
@@ -110,11 +117,17 @@ class SGLangEngine:
 
     async def health(self) -> bool:
         """``/health_generate``: 200 once the server generated a token (503 while starting or broken)."""
-        aiohttp = _aiohttp()
         if self.process is not None and not self.process.alive():
             return False
+        for target in list(self._down):  # a generate target that recovered takes requests again
+            if await self._healthy(target):
+                self._down.discard(target)
+        return await self._healthy(self.url)
+
+    async def _healthy(self, base: str) -> bool:
+        aiohttp = _aiohttp()
         try:
-            async with self._http().get(f"{self.url}/health_generate",
+            async with self._http().get(f"{base}/health_generate",
                                         timeout=aiohttp.ClientTimeout(total=self.control_timeout_s)) as r:
                 return r.status == 200
         except (TimeoutError, aiohttp.ClientError, ConnectionError):
@@ -261,6 +274,11 @@ class SGLangEngine:
         if weight_version is not None:
             self._version = int(weight_version)
         return body
+
+    def _pick(self) -> str:
+        """The next generate target, round-robin over those not marked down (all, when every one is)."""
+        up = [u for u in self.generate_urls if u not in self._down] or self.generate_urls
+        return up[next(self._turn) % len(up)]
 
     def _engine_error(self, message: str, prompt_len: int) -> Completion:
         self.stats["engine_errors"] += 1
