@@ -7,6 +7,7 @@ import os
 import shlex
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import FAKE
@@ -41,7 +42,49 @@ def test_sglang_flags_pass_through_verbatim():
         load_config("tiny-cpu", ["sglang.external_urls=http://a:1"])
 
 
+ARGV_SERVER = Path(__file__).with_name("argv_server.py")
+
+
+def test_launcher_supervises_and_registers_with_the_router(tmp_path):
+    """Fast: stand-in servers that start in a blink (the slow test below runs the model-backed fake)."""
+    model, tok = build_tiny("tiny-qwen3")
+    router = FakeRouter()
+    cfg = load_config("tiny-cpu", [
+        "rollout.engine=sglang", "sglang.num_servers=2", f"sglang.router_url={router.url}", "sglang.tp_size=2",
+        f"sglang.launch_command={shlex.quote(sys.executable)} {shlex.quote(str(ARGV_SERVER))}",
+        f"model.hf_checkpoint={tmp_path}/ckpt", "sglang.server_args={enable_torch_compile: true}",
+        f"run.run_dir={tmp_path}"])
+    engines = build_engines(cfg, model, tok)
+
+    async def main():
+        try:
+            for e in engines:
+                argv = (await e._get("/get_server_info"))["argv"]
+                assert argv == ["--model-path", f"{tmp_path}/ckpt", "--host", "127.0.0.1", "--port",
+                                e.url.rsplit(":", 1)[1], "--enable-torch-compile", "--tp-size", "2"]
+                assert e.generate_urls == [router.url]
+            assert router.workers == [e.url for e in engines]
+            victim = engines[0]
+            os.killpg(victim.process._proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(victim.process._proc.wait)
+            assert not await victim.health()
+            assert await asyncio.to_thread(victim.process.ensure_running, 60)
+            assert victim.process.restarts == 1 and await victim.health()
+            assert not await asyncio.to_thread(victim.process.ensure_running, 60)  # alive: nothing to do
+        finally:
+            for e in engines:
+                await e.shutdown()
+    try:
+        asyncio.run(main())
+    finally:
+        router.close()
+    assert all(not e.process.alive() for e in engines)
+    assert router.workers == [] and [k for k, _ in router.events] == ["add", "add", "remove", "remove"]
+
+
+@pytest.mark.slow
 def test_launch_register_supervise_and_shut_down(tmp_path):
+    """The model-backed fake, launched: arguments, generation through the router, restart, shutdown."""
     model, tok = build_tiny("tiny-qwen3")
     router = FakeRouter()
     _, flags = split_sglang_flags(["--sglang-tp-size", "2"])
