@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from miles_agent.algorithms.distill import distill_loss
 from miles_agent.algorithms.losses import compute_loss, loss_options, validate_options
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
@@ -133,8 +134,10 @@ class FSDP2Trainer:
         return [self._logp(model, mb)[0] for mb in mbs]
 
     def _micro_batches(self, trajectories: Sequence[Trajectory], plan: list[list[int]],
-                       advantages: Sequence[Sequence[float]] | None) -> list[MicroBatch]:
-        return [build_micro_batch(trajectories, idx, advantages, self.pad_id).to(self.device) for idx in plan]
+                       advantages: Sequence[Sequence[float]] | None,
+                       teacher: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
+        return [build_micro_batch(trajectories, idx, advantages, self.pad_id, teacher).to(self.device)
+                for idx in plan]
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         """Current-policy logprob per response position (0.0 where the model did not sample).
@@ -156,7 +159,7 @@ class FSDP2Trainer:
         trajs = batch.trajectories
         plan = rank_plan([len(t.tokens) for t in trajs], self.train_cfg.micro_batch_tokens,
                          self.world_size, self.rank)
-        mbs = self._micro_batches(trajs, plan, batch.advantages)
+        mbs = self._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
         norm = {"num_tokens": float(sum(sum(t.loss_mask) for t in trajs)),
                 "num_seqs": float(sum(1 for t in trajs if any(t.loss_mask)))}
         olds: list[Tensor | None] = [None] * len(mbs)
@@ -184,6 +187,10 @@ class FSDP2Trainer:
         logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=self.algo.entropy_coef != 0)
         loss, metrics = compute_loss(logp, mb.rollout_logp if old is None else old, mb.advantages, mb.loss_mask,
                                      ref_logp=ref, entropy=entropy, **self._loss_opts, **norm)
+        if mb.teacher_logp is not None:  # on-policy distillation in loss mode (algorithms/distill.py)
+            term, extra = distill_loss(logp, mb.teacher_logp, mb.loss_mask, coef=self.algo.distill_coef,
+                                       loss_agg=self.algo.loss_agg, **norm)
+            loss, metrics = loss + term, {**metrics, **extra, "loss": metrics["loss"] + extra["distill_loss"]}
         # FSDP averages gradients over ranks; each rank's loss is its share of the global sum.
         (loss * self.world_size).backward()
         diff = (logp.detach() - mb.rollout_logp).abs() * mb.loss_mask
