@@ -34,9 +34,13 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
         from miles_agent.runtime import launch
 
         return launch.build_engines(cfg, model, tokenizer)
+    if cfg.rollout.engine == "sglang":
+        from miles_agent.rollout.sglang import build_sglang_engines
+
+        return build_sglang_engines(cfg, model, tokenizer)
     if cfg.rollout.engine != "local":
         raise UserError(f"rollout.engine {cfg.rollout.engine!r} is not available in this version; "
-                        "use rollout.engine=local (the embedded engine)")
+                        "use rollout.engine=local (the embedded engine) or sglang (SGLang servers)")
     from miles_agent.rollout.local import LocalEngine
 
     return [LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device,
@@ -45,7 +49,7 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
     """The weight transport ``cfg.sync`` names (inprocess, shm, distributed, disk) over these engines."""
-    if _on_ray(cfg):
+    if _on_ray(cfg) and cfg.rollout.engine == "local":  # engine actors under the runtime's supervisor
         from miles_agent.runtime import launch
 
         return launch.build_transport(cfg, trainer, engines)
