@@ -42,7 +42,7 @@ _SESSIONS: dict[Any, RaySession] = {}
 
 def session(cfg: Config) -> RaySession:
     """The placement for this config, reserved on first use (the trainer is built first)."""
-    key = (id(cfg), cfg)
+    key = id(cfg)  # the run passes one Config object to all three builders (configs may hold lists: unhashable)
     if key not in _SESSIONS:
         c = cfg.cluster
         started = ray_cluster.connect(c, needed_cpus=(cfg.train.world_size + c.num_engines) * c.cpus_per_actor * 2)
