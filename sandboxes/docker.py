@@ -172,28 +172,28 @@ class DockerSandbox(RemoteSandbox):
             tar.addfile(info, io.BytesIO(content))
         self.api.put_archive(self.handle, "/", buf.getvalue())
 
+    @staticmethod
+    def reap(base_url: str | None = None, now: float | None = None) -> list[str]:
+        """Remove every container carrying our label whose expiry has passed; returns their ids."""
+        api = connect(base_url)
+        now = time.time() if now is None else now
+        removed = []
+        for c in api.containers(all=True, filters={"label": LABEL}):
+            try:
+                expires = float((c.get("Labels") or {}).get(EXPIRES_LABEL, "inf"))
+            except ValueError:
+                continue
+            if expires <= now:
+                try:
+                    api.remove_container(c["Id"], force=True)
+                except _docker().errors.NotFound:
+                    continue
+                removed.append(c["Id"])
+        return removed
+
     def _destroy(self, handle: Any) -> None:
         api = self.api or connect(self.base_url, self.api_timeout_s)
         try:
             api.remove_container(handle, force=True)
         except _docker().errors.NotFound:
             pass  # gone already (auto-removed after its TTL, or a second stop)
-
-
-def reap(base_url: str | None = None, now: float | None = None) -> list[str]:
-    """Remove every container carrying our label whose expiry has passed; returns their ids."""
-    api = connect(base_url)
-    now = time.time() if now is None else now
-    removed = []
-    for c in api.containers(all=True, filters={"label": LABEL}):
-        try:
-            expires = float(c.get("Labels", {}).get(EXPIRES_LABEL, "inf"))
-        except ValueError:
-            continue
-        if expires <= now:
-            try:
-                api.remove_container(c["Id"], force=True)
-            except _docker().errors.NotFound:
-                continue
-            removed.append(c["Id"])
-    return removed

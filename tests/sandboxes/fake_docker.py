@@ -198,7 +198,15 @@ def _handler(engine: FakeDockerEngine) -> type[BaseHTTPRequestHandler]:
             image = f"{self.query['fromImage']}:{self.query.get('tag', 'latest')}"
             engine.images.add(image)
             lines = [{"status": f"Pulling from {self.query['fromImage']}"}, {"status": f"Downloaded {image}"}]
-            self._send(200, b"".join(json.dumps(x).encode() + b"\r\n" for x in lines), "application/json")
+            # The engine streams progress as chunked JSON messages, one per chunk.
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for x in lines:
+                data = json.dumps(x).encode() + b"\r\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.write(b"0\r\n\r\n")
 
         def do_create(self) -> None:
             body = json.loads(self.body)
