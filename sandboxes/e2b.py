@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shlex
 import time
+import uuid
 from typing import Any
 
 from miles_agent.errors import require
@@ -45,8 +46,10 @@ class E2BSandbox(RemoteSandbox):
         self.api_key = api_key or os.environ.get("E2B_API_KEY")
         self.template = template
         self.allow_internet_access = allow_internet_access
+        # retries=0: the SDK's own control-plane retries are switched off so that one bounded policy
+        # (ours, with jitter and a clear error at the end) governs every call.
         self._opts = {k: v for k, v in {"api_url": api_url, "sandbox_url": sandbox_url,
-                                         "http_version": http_version}.items() if v is not None}
+                                         "http_version": http_version, "retries": 0}.items() if v is not None}
 
     def _classify(self, exc: BaseException) -> tuple[str | None, float | None]:
         kind, after = super()._classify(exc)
@@ -69,11 +72,14 @@ class E2BSandbox(RemoteSandbox):
         if not self.api_key:
             raise SandboxError(f"e2b sandbox: no API key; {self.auth_hint}, or pass api_key=")
         e2b = _e2b()
+        key = f"miles-agent-{uuid.uuid4().hex}"  # a retried create after a lost reply returns the same sandbox
         self.handle = self.call(
             "create sandbox", e2b.Sandbox.create, template=spec.image or self.template, timeout=int(self.ttl_s),
             metadata=dict(METADATA), envs=dict(spec.env), allow_internet_access=self.allow_internet_access,
-            api_key=self.api_key, **self._opts)
-        made = self.call("make workspace", self.handle.commands.run, f"mkdir -p {WORKDIR}", timeout=60)
+            api_key=self.api_key, idempotency_key=key, **self._opts)
+        # Relative to "/" rather than absolute: the same command, and the test fake can re-root it.
+        made = self.call("make workspace", self.handle.commands.run, f"mkdir -p {WORKDIR.lstrip('/')}", cwd="/",
+                         timeout=60)
         if made.exit_code != 0:
             raise SandboxError(f"e2b sandbox: cannot create {WORKDIR}: {made.stderr.strip()}")
 

@@ -73,7 +73,7 @@ class FakeDockerEngine:
         self.base_url = f"tcp://127.0.0.1:{self.server.server_address[1]}"
 
     def __enter__(self) -> FakeDockerEngine:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -65,6 +65,7 @@ class FakeE2B:
         self.faults: dict[str, list[tuple[int, dict]]] = {}
         self.delays: dict[str, float] = {}
         self.calls: list[str] = []
+        self.idempotency: dict[str | None, str] = {}
         self.lock = threading.Lock()
         self.tmp = tempfile.mkdtemp(prefix="fake-e2b-")
         self.api = ThreadingHTTPServer(("127.0.0.1", 0), _api_handler(self))
@@ -77,7 +78,7 @@ class FakeE2B:
 
     def __enter__(self) -> FakeE2B:
         for server in (self.api, self.envd):
-            threading.Thread(target=server.serve_forever, daemon=True).start()
+            threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         threading.Thread(target=self._expire_loop, daemon=True).start()
         return self
 
@@ -173,7 +174,11 @@ def _api_handler(fake: FakeE2B) -> type[BaseHTTPRequestHandler]:
                     "endAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(sb.end_at))}
 
         def do_create(self) -> None:
+            key = self.headers.get("Idempotency-Key")
+            if key and fake.idempotency.get(key) in fake.sandboxes:  # a replayed create: the same sandbox
+                return self._json(201, self._info(fake.sandboxes[fake.idempotency[key]]))
             sid = "i" + uuid.uuid4().hex[:19]
+            fake.idempotency[key] = sid
             sb = FakeSandbox(sid, self.body, tempfile.mkdtemp(prefix=sid + "-", dir=fake.tmp))
             with fake.lock:
                 fake.sandboxes[sid] = sb
@@ -356,6 +361,9 @@ def _envd_app(fake: FakeE2B):  # noqa: ANN202 - a WSGI app
 
         if sb is None:
             return reply("502 Bad Gateway", {"code": 502, "message": "The sandbox was not found"})
+        if fake.faults.get("files"):
+            status, body = fake.faults["files"].pop(0)
+            return reply(f"{status} Injected", body)
         target = sb.host_path(query["path"])
         if environ["REQUEST_METHOD"] == "GET":
             if not os.path.isfile(target):
