@@ -14,12 +14,14 @@ by the ``E2b-Sandbox-Id`` header the SDK sends.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -27,8 +29,6 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
-import io
-import sys
 
 from e2b.envd.process import process_pb
 from e2b.envd.process.process_connect import ProcessSync, ProcessWSGIApplication
