@@ -233,3 +233,20 @@ def test_reaper_removes_only_our_expired_containers(engine):
     run(ours.stop())
     run(fresh.stop())
     api.remove_container(foreign["Id"], force=True)
+
+
+def test_reap_command_line(engine, monkeypatch, capsys):
+    from miles_agent.cli import main
+
+    sb = sandbox(engine, ttl_s=1)
+    run(sb.start(SandboxSpec()))
+    # As after an engine restart: the auto-removal is lost, so the expired container stays behind.
+    engine.containers[sb.handle].body["HostConfig"]["AutoRemove"] = False
+    time.sleep(1.2)
+    monkeypatch.setenv("DOCKER_HOST", engine.base_url)
+    assert main(["sandbox", "reap", "--backend", "docker"]) == 0
+    assert f"removed 1 expired sandbox(es)\n  {sb.handle}" in capsys.readouterr().out
+    assert engine.live() == []
+    run(sb.stop())
+    assert main(["sandbox", "reap", "--backend", "local"]) == 2
+    assert "has no reaper" in capsys.readouterr().err
