@@ -93,6 +93,7 @@ class EnvConfig:
     harness: str = ""  # "" = the environment's default harness
     tasks: str | None = None  # a folder of tasks, for environments that read one
     sandbox: str = "local"  # sandbox backend for environments that need one
+    sandbox_options: dict[str, Any] = field(default_factory=dict)  # the backend's options (docs/sandboxes.md)
     max_turns: int = 4
     max_total_tokens: int = 1024
     max_new_tokens_per_turn: int = 96

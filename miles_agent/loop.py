@@ -136,7 +136,9 @@ class Run:
     def _sandbox_factory(self):  # noqa: ANN202
         if not self.env.needs_sandbox:
             return None
-        return registry.load("sandboxes", self.cfg.env.sandbox)
+        from miles_agent.sandboxes import sandbox_factory
+
+        return sandbox_factory(self.cfg.env.sandbox, self.cfg.env.sandbox_options)
 
     async def train(self, progress: Any = None) -> list[dict[str, Any]]:
         from miles_agent.algorithms.advantages import per_token

@@ -250,3 +250,17 @@ def test_reap_command_line(engine, monkeypatch, capsys):
     run(sb.stop())
     assert main(["sandbox", "reap", "--backend", "local"]) == 2
     assert "has no reaper" in capsys.readouterr().err
+
+
+def test_sandbox_options_from_the_config_reach_the_backend(engine):
+    from miles_agent.config import load_config
+    from miles_agent.errors import UserError
+    from miles_agent.sandboxes import sandbox_factory
+
+    cfg = load_config(overrides=["env.sandbox=docker",
+                                 f'env.sandbox_options={{"base_url": "{engine.base_url}", "ttl_s": 120, "cpus": 0.5}}'])
+    sb = sandbox_factory(cfg.env.sandbox, cfg.env.sandbox_options)()
+    assert (sb.base_url, sb.ttl_s, sb.cpus) == (engine.base_url, 120.0, 0.5)
+    with pytest.raises(UserError, match="base_ulr not accepted by the 'docker' sandbox; valid options: .*base_url"):
+        sandbox_factory("docker", {"base_ulr": "x"})
+    assert sandbox_factory("local", {}) is sandbox_factory("local")
