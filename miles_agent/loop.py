@@ -30,6 +30,7 @@ from miles_agent.errors import UserError
 from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner, collect
+from miles_agent.rollout.routing_capture import RoutingCapture
 from miles_agent.sinks import build_sinks
 from miles_agent.types import Status, Trajectory
 
@@ -103,6 +104,7 @@ class Run:
 
         from miles_agent.algorithms.advantages import get_advantage_fn
         from miles_agent.components import build_engines, build_trainer, build_transport
+        from miles_agent.distill import build_distiller
         from miles_agent.models.loading import load_policy
 
         check_device(cfg.model.device)
@@ -121,6 +123,7 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        self.distiller = build_distiller(cfg, self.env, self.tokenizer, self.engine)  # None unless a teacher is set
         self.metrics = build_sinks(self.run_dir, cfg.run.sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
         self.observer = StepObserver(self.runner, self.engines)
         self.step = 0
@@ -167,6 +170,9 @@ class Run:
             adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
                                                 normalize_std=cfg.algo.normalize_std)
             batch = TrainBatch(trainable, per_token(trainable, adv))
+            if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
+                batch, distill_metrics = await self.distiller.apply(batch)
+                record.update(distill_metrics)
             self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
             train_metrics = self.trainer.train_step(batch)
             t2 = time.perf_counter()
@@ -194,9 +200,14 @@ class Run:
         tasks = self.sampler.take(self.cfg.rollout.prompts_per_step)
         if progress:
             progress.phase("rollout", total=len(tasks) * self.cfg.rollout.samples_per_prompt)
-        return await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, self.engine,
-                             self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
-                             group_prefix=f"s{self.step}-")
+        # R3: record the engine's routed experts per call and attach them to the trajectories
+        capture = RoutingCapture(self.engine) if self.cfg.algo.routing_replay else None
+        trajs = await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, capture or self.engine,
+                              self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
+                              group_prefix=f"s{self.step}-")
+        if capture is not None:
+            capture.attach(trajs)
+        return trajs
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -234,6 +245,10 @@ class Run:
 def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
     """Build a run and train it; returns the per-step metric records. ``progress(run)`` makes the live
     view once the run is built (so bad input fails before any bar is drawn)."""
+    if cfg.algo.loss == "sft":  # supervised: a dataset of trajectories instead of rollouts
+        from miles_agent.sft import train_sft
+
+        return train_sft(cfg, resume=resume, progress=progress)
     run = Run(cfg, resume=resume)
     view = progress(run) if progress else None
 
@@ -243,6 +258,8 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
         finally:
             for engine in run.engines:
                 await engine.shutdown()
+            if run.distiller is not None:
+                await run.distiller.shutdown()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
             run.metrics.close()
