@@ -1,0 +1,24 @@
+"""The adapter environments: one small class per package, each naming its pin, Python and side-car.
+
+The substance of each adapter is its side-car script (``<package>_side.py``), which uses the
+package's own API inside the package's own venv. Registered under ``miles_agent.envs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from miles_agent.envs.external.base import ADAPTERS, ExternalEnvironment
+
+
+class OpenEnvEnv(ExternalEnvironment):
+    name = "openenv"
+    description = "An OpenEnv (openenv 0.10) environment, in-process or through its HTTP/WebSocket server."
+    requirements: ClassVar[tuple[str, ...]] = ("openenv==0.10.0",)
+    adapter_script = "openenv_side.py"
+
+    def side_config(self) -> dict[str, Any]:  # the shipped example; override any key via the constructor
+        return {"env_file": str(ADAPTERS / "examples" / "openenv_spell.py"), "env_class": "SpellEnv",
+                "action_class": "SpellAction", "observation_class": "SpellObservation",
+                "action_field": "message", "observation_field": "message", "num_tasks": 6,
+                "mode": "inprocess", "max_steps": 2, "max_tokens": 24}
