@@ -22,3 +22,14 @@ class OpenEnvEnv(ExternalEnvironment):
                 "action_class": "SpellAction", "observation_class": "SpellObservation",
                 "action_field": "message", "observation_field": "message", "num_tasks": 6,
                 "mode": "inprocess", "max_steps": 2, "max_tokens": 24}
+
+
+class VerifiersEnv(ExternalEnvironment):
+    name = "verifiers"
+    description = "A Verifiers 0.4 (verifiers.v1) taskset, played by its own harness with its own rewards."
+    # uv: verifiers' chat harness is a PEP 723 script that verifiers prepares with `uv sync --script`.
+    requirements: ClassVar[tuple[str, ...]] = ("verifiers==0.4.0", "uv")
+    adapter_script = "verifiers_side.py"
+
+    def side_config(self) -> dict[str, Any]:  # the shipped example taskset
+        return {"taskset": "miles_spell_taskset", "taskset_path": str(ADAPTERS / "examples"), "harness": "null"}
