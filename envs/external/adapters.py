@@ -33,3 +33,17 @@ class VerifiersEnv(ExternalEnvironment):
 
     def side_config(self) -> dict[str, Any]:  # the shipped example taskset
         return {"taskset": "miles_spell_taskset", "taskset_path": str(ADAPTERS / "examples"), "harness": "null"}
+
+
+class HarborEnv(ExternalEnvironment):
+    name = "harbor"
+    description = "Harbor tasks run as Harbor trials (its trial runner, agents and verifiers) against the proxy."
+    requirements: ClassVar[tuple[str, ...]] = ("harbor==0.26.0",)
+    python = "3.12"  # harbor requires Python >= 3.12
+    adapter_script = "harbor_side.py"
+
+    def __init__(self, tasks_dir: str | None = None, **config: Any) -> None:
+        super().__init__(**({"tasks_dir": tasks_dir} if tasks_dir else {}), **config)
+
+    def side_config(self) -> dict[str, Any]:  # the shipped example task folder, our local provider and agent
+        return {"tasks_dir": str(ADAPTERS / "examples" / "harbor_tasks"), "max_turns": 3}

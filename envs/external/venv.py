@@ -39,12 +39,12 @@ def find_python(version: str | None) -> str:
     """The interpreter for a venv: this one when no version is asked, else pythonX.Y on PATH or in pyenv."""
     if not version or f"{sys.version_info.major}.{sys.version_info.minor}" == version:
         return sys.executable
-    found = shutil.which(f"python{version}")
-    if found:
-        return found
-    pyenv = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python")))
-    if pyenv:
-        return pyenv[-1]
+    # A pyenv shim on PATH may exist without that version being active: try each candidate for real.
+    candidates = [shutil.which(f"python{version}"),
+                  *sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python")), reverse=True)]
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "-c", ""], capture_output=True).returncode == 0:
+            return candidate
     raise UserError(f"this adapter needs Python {version}, which is not installed; install it "
                     f"(e.g. `pyenv install {version}` or your OS package python{version}) and retry")
 
