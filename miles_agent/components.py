@@ -14,8 +14,15 @@ from miles_agent.errors import UserError
 
 
 def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    consistency = [name for name, on in (("routing_replay", cfg.algo.routing_replay),
+                                         ("true_on_policy", cfg.algo.true_on_policy)) if on]
+    if consistency and cfg.train.backend != "fsdp2":
+        raise UserError(f"algo.{consistency[0]} is implemented by the fsdp2 trainer only; set "
+                        f"train.backend=fsdp2 or algo.{consistency[0]}=false")
+    extra = {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
     return registry.load("trainers", cfg.train.backend)(
-        model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device)
+        model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device,
+        **extra)
 
 
 def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
@@ -25,10 +32,12 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
                         "use rollout.engine=local (the embedded engine)")
     from miles_agent.rollout.local import LocalEngine
 
-    return [LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device)]
+    return [LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device,
+                        true_on_policy=cfg.algo.true_on_policy)]
 
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
-    from miles_agent.weight_sync import InProcessTransport
+    """The weight transport ``cfg.sync`` names (inprocess, shm, distributed, disk) over these engines."""
+    from miles_agent.weight_sync.factory import build_transport as build
 
-    return InProcessTransport(engines)
+    return build(cfg.sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device)

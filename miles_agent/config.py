@@ -61,6 +61,19 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """Parallel layout for train.backend=megatron (ranks = tensor * pipeline * context * data)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1  # MoE experts split over this many ranks of each pipeline stage
+    expert_tensor_parallel: int = 1
+    context_parallel: int = 1
+    first_stage_layers: int | None = None  # uneven pipelines: layers on the first / last stage
+    last_stage_layers: int | None = None
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     advantage: str = "grpo"
     normalize_std: bool = True  # False = Dr.GRPO
@@ -72,6 +85,25 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
     use_rollout_logprobs: bool = True  # rollout logprobs as the old policy (no extra forward)
+    # Rollout/train consistency (trainers/routing_replay.py, miles_agent/true_on_policy.py):
+    routing_replay: bool = False  # R3: MoE trainer forwards route by the engine's recorded expert ids
+    true_on_policy: bool = False  # engine and trainer share batch-invariant kernels: bitwise-equal logprobs
+    # On-policy distillation (miles_agent/distill.py): off while distill_teacher is None.
+    distill_teacher: str | None = None  # the teacher's HF folder, or "builtin" = the env's warm start
+    distill_mode: str = "reward"  # reward: reverse KL in per-token advantages | loss: a loss term
+    distill_coef: float = 1.0  # weight of the reverse-KL signal
+    distill_task_coef: float = 1.0  # weight of the task reward's advantage beside it; 0 = pure distillation
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """What an ``algo.loss: sft`` run trains on (miles_agent/sft.py)."""
+
+    data: str = "demonstrator"  # "demonstrator" (the env's, on `split`) or a .jsonl of Trajectory.to_dict() lines
+    split: str = "sft"  # the env's task split the demonstrator plays
+    tool_rate: float = 1.0  # demonstrator data: how often it calls its tool (arith-tools: 1.0 = the oracle)
+    batch_size: int = 32  # trajectories per optimizer step
+    max_examples: int = 0  # use at most this many trajectories (the first ones); 0 = all
 
 
 @dataclass(frozen=True)
@@ -96,6 +128,25 @@ class RunConfig:
     checkpoint_every: int = 0  # 0 = only at the end
     eval_every: int = 0
     progress: bool = True
+    sinks: str = ""  # extra metric sinks besides metrics.jsonl: "tensorboard", "wandb", or both comma-separated
+    wandb_project: str = "miles-agent"
+    dump_rollouts: int = 0  # write every N-th step's trajectories to RUN_DIR/rollouts/ (0 = never)
+    log_samples: int = 2  # trajectories per step kept in RUN_DIR/samples.jsonl for `miles-agent report`
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    # How weights reach the engines: inprocess | shm | distributed | disk (miles_agent/weight_sync/).
+    transport: str = "inprocess"
+    bucket_mb: int = 64  # extra memory a sync needs is about one bucket on each side
+    check: bool = False  # after every sync, compare per-tensor checksums of trainer and engines
+    backend: str = "auto"  # distributed: gloo | nccl | auto (nccl on cuda, else gloo)
+    master_address: str = "127.0.0.1"  # distributed: where the engines meet trainer rank 0
+    master_port: int = 0  # distributed: 0 = a free port
+    disk_dir: str = ""  # disk: "" = <run.run_dir>/weights
+    disk_keep: int = 2  # disk: newest versions kept on disk
+    strip_prefix: str = ""  # trainer-name prefix removed before sending (e.g. "_orig_mod.")
+    add_prefix: str = ""  # prefix added to every engine name
 
 
 @dataclass(frozen=True)
@@ -103,9 +154,12 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

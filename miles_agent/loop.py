@@ -23,11 +23,15 @@ from typing import Any
 
 from miles_agent import registry
 from miles_agent.config import Config
+from miles_agent.dumps import RolloutRecorder
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import Environment, HarnessLimits, Task
 from miles_agent.errors import UserError
-from miles_agent.metrics import MetricsLog, rollout_metrics, summary_line
+from miles_agent.metrics import rollout_metrics, summary_line
+from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner, collect
+from miles_agent.rollout.routing_capture import RoutingCapture
+from miles_agent.sinks import build_sinks
 from miles_agent.types import Status, Trajectory
 
 
@@ -100,6 +104,7 @@ class Run:
 
         from miles_agent.algorithms.advantages import get_advantage_fn
         from miles_agent.components import build_engines, build_trainer, build_transport
+        from miles_agent.distill import build_distiller
         from miles_agent.models.loading import load_policy
 
         check_device(cfg.model.device)
@@ -118,7 +123,9 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
-        self.metrics = MetricsLog(self.run_dir)
+        self.distiller = build_distiller(cfg, self.env, self.tokenizer, self.engine)  # None unless a teacher is set
+        self.metrics = build_sinks(self.run_dir, cfg.run.sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
+        self.observer = StepObserver(self.runner, self.engines)
         self.step = 0
         self._resync_version: int | None = None
         if resume:
@@ -127,6 +134,7 @@ class Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             self.metrics.path.unlink(missing_ok=True)
+        self.recorder = RolloutRecorder(self.run_dir, cfg.run.dump_rollouts, cfg.run.log_samples, self.step)
 
     def _sandbox_factory(self):  # noqa: ANN202
         if not self.env.needs_sandbox:
@@ -138,6 +146,8 @@ class Run:
         from miles_agent.trainer import TrainBatch
 
         cfg, records = self.cfg, []
+        if progress and hasattr(self.trainer, "on_micro_batch"):
+            self.trainer.on_micro_batch = progress.micro_batch_done
         if self._resync_version is not None:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
             self._resync_version = None
@@ -152,20 +162,27 @@ class Run:
                                    "nothing to train on")
             record.update(rollout_metrics(trajs))
             record["episode_retries"] = float(self.runner.stats.retries)
+            record.update(self.observer.rollout_record(trajs, trainer_version=self.step))
             if progress:
                 progress.phase("train")
             adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
                                                 normalize_std=cfg.algo.normalize_std)
-            train_metrics = self.trainer.train_step(TrainBatch(trainable, per_token(trainable, adv)))
+            batch = TrainBatch(trainable, per_token(trainable, adv))
+            if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
+                batch, distill_metrics = await self.distiller.apply(batch)
+                record.update(distill_metrics)
+            self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
+            train_metrics = self.trainer.train_step(batch)
             t2 = time.perf_counter()
             if progress:
                 progress.phase("sync")
-            sync = await self.transport.push(self.trainer.named_weights(), version=self.step + 1)
+            weights = progress.track_sync(self.trainer.named_weights()) if progress else self.trainer.named_weights()
+            sync = await self.transport.push(weights, version=self.step + 1)
             t3 = time.perf_counter()
             record.update({f"train/{k}": v for k, v in train_metrics.items()})
             record.update(sync)
             record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
-                           "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
+                           "time/step": t3 - t0, "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
             self.step += 1
             self.metrics.write(record)
             records.append(record)
@@ -181,9 +198,14 @@ class Run:
         tasks = self.sampler.take(self.cfg.rollout.prompts_per_step)
         if progress:
             progress.phase("rollout", total=len(tasks) * self.cfg.rollout.samples_per_prompt)
-        return await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, self.engine,
-                             self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
-                             group_prefix=f"s{self.step}-")
+        # R3: record the engine's routed experts per call and attach them to the trajectories
+        capture = RoutingCapture(self.engine) if self.cfg.algo.routing_replay else None
+        trajs = await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, capture or self.engine,
+                              self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
+                              group_prefix=f"s{self.step}-")
+        if capture is not None:
+            capture.attach(trajs)
+        return trajs
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -221,6 +243,10 @@ class Run:
 def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
     """Build a run and train it; returns the per-step metric records. ``progress(run)`` makes the live
     view once the run is built (so bad input fails before any bar is drawn)."""
+    if cfg.algo.loss == "sft":  # supervised: a dataset of trajectories instead of rollouts
+        from miles_agent.sft import train_sft
+
+        return train_sft(cfg, resume=resume, progress=progress)
     run = Run(cfg, resume=resume)
     view = progress(run) if progress else None
 
@@ -230,8 +256,11 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
         finally:
             for engine in run.engines:
                 await engine.shutdown()
+            if run.distiller is not None:
+                await run.distiller.shutdown()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
+            run.metrics.close()
             if view is not None:
                 view.close()
 
