@@ -93,8 +93,9 @@ class Run:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         import torch
 
-        from miles_agent.algorithms.advantages import get_advantage_fn
-        from miles_agent.components import build_engines, build_trainer, build_transport
+        from miles_agent.algorithms.batch_builder import BatchBuilder
+        from miles_agent.algorithms.estimators import check_estimator
+        from miles_agent.components import build_critic, build_engines, build_trainer, build_transport
         from miles_agent.models.loading import load_policy
 
         check_device(cfg.model.device)
@@ -102,11 +103,13 @@ class Run:
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
-        self.advantage_fn = get_advantage_fn(cfg.algo.advantage)  # a bad name fails before any work
+        check_estimator(cfg.algo)  # a bad name fails before any work
         self.env = build_env(cfg)
         model, self.tokenizer = load_policy(cfg, self.env)
         engine_model = copy.deepcopy(model)  # before the trainer shards its own copy
+        critic = build_critic(cfg, model, self.tokenizer)  # copies the policy before the trainer shards it
         self.trainer = build_trainer(cfg, model, self.tokenizer)
+        self.batches = BatchBuilder(cfg.algo, self.trainer, critic)
         self.engines = build_engines(cfg, engine_model, self.tokenizer)
         self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
         self.transport = build_transport(cfg, self.trainer, self.engines)
@@ -129,9 +132,6 @@ class Run:
         return registry.load("sandboxes", self.cfg.env.sandbox)
 
     async def train(self, progress: Any = None) -> list[dict[str, Any]]:
-        from miles_agent.algorithms.advantages import per_token
-        from miles_agent.trainer import TrainBatch
-
         cfg, records = self.cfg, []
         if self._resync_version is not None:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
@@ -139,7 +139,8 @@ class Run:
         while self.step < cfg.run.steps:
             record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
             t0 = time.perf_counter()
-            trajs = await self.rollout(progress)
+            trajs, sampling = await self.rollout(progress)
+            record.update(sampling)
             t1 = time.perf_counter()
             trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
             if not trainable:
@@ -149,9 +150,9 @@ class Run:
             record["episode_retries"] = float(self.runner.stats.retries)
             if progress:
                 progress.phase("train")
-            adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
-                                                normalize_std=cfg.algo.normalize_std)
-            train_metrics = self.trainer.train_step(TrainBatch(trainable, per_token(trainable, adv)))
+            batch, algo_metrics = self.batches.build(trainable)  # advantages; a critic steps here
+            record.update(algo_metrics)
+            train_metrics = self.trainer.train_step(batch)
             t2 = time.perf_counter()
             if progress:
                 progress.phase("sync")
@@ -172,13 +173,22 @@ class Run:
         self.trainer.save_hf(self.run_dir / "final")
         return records
 
-    async def rollout(self, progress: Any = None) -> list[Trajectory]:
-        tasks = self.sampler.take(self.cfg.rollout.prompts_per_step)
+    async def rollout(self, progress: Any = None) -> tuple[list[Trajectory], dict[str, float]]:
+        """One step's trajectories (with DAPO dynamic sampling: informative groups only) and metrics."""
+        if self.cfg.algo.dynamic_sampling:
+            from miles_agent.algorithms.dynamic_sampling import dynamic_sample
+
+            return await dynamic_sample(lambda n, r: self._collect(n, r, progress), self.cfg.rollout.prompts_per_step,
+                                        self.cfg.algo.dynamic_sampling_max_rounds)
+        return await self._collect(self.cfg.rollout.prompts_per_step, 0, progress), {}
+
+    async def _collect(self, num_tasks: int, round_: int, progress: Any = None) -> list[Trajectory]:
+        tasks = self.sampler.take(num_tasks)
         if progress:
             progress.phase("rollout", total=len(tasks) * self.cfg.rollout.samples_per_prompt)
         return await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, self.engine,
                              self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
-                             group_prefix=f"s{self.step}-")
+                             group_prefix=f"s{self.step}-" if round_ == 0 else f"s{self.step}r{round_}-")
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -186,6 +196,7 @@ class Run:
         ckpt_root = self.run_dir / "checkpoints"
         path = ckpt_root / f"step_{self.step}"
         self.trainer.save_checkpoint(path / "trainer")
+        self.batches.save_checkpoint(path)
         state = {"step": self.step, "sampler_position": self.sampler.position,
                  "weight_version": self.engine.weight_version, "rng": random.getstate()}
         tmp = path / "loop_state.json.tmp"
@@ -203,6 +214,7 @@ class Run:
                             "run without --resume to start fresh")
         path = self.run_dir / "checkpoints" / latest.read_text().strip()
         self.trainer.load_checkpoint(path / "trainer")
+        self.batches.load_checkpoint(path)
         state = json.loads((path / "loop_state.json").read_text())
         self.step, self.sampler.position = state["step"], state["sampler_position"]
         rng = state["rng"]
@@ -225,6 +237,7 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
         finally:
             for engine in run.engines:
                 await engine.shutdown()
+            run.batches.close()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
             if view is not None:

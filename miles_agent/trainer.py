@@ -20,17 +20,26 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class TrainBatch:
-    """Trajectories plus one advantage per response token (aligned with ``Trajectory.loss_mask``)."""
+    """Trajectories plus one advantage per response token (aligned with ``Trajectory.loss_mask``).
+
+    ``old_logprobs`` / ``ref_logprobs`` (same alignment), when the driver already computed them for
+    its estimator, spare the trainer a second forward; None = the trainer computes what it needs."""
 
     trajectories: list[Trajectory]
     advantages: list[list[float]]
+    old_logprobs: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
-        if len(self.trajectories) != len(self.advantages):
-            raise ValueError(f"{len(self.trajectories)} trajectories but {len(self.advantages)} advantage rows")
-        for t, a in zip(self.trajectories, self.advantages):
-            if len(a) != t.response_length:
-                raise ValueError(f"trajectory {t.uid}: {len(a)} advantages for {t.response_length} response tokens")
+        for name in ("advantages", "old_logprobs", "ref_logprobs"):
+            rows = getattr(self, name)
+            if rows is None:
+                continue
+            if len(self.trajectories) != len(rows):
+                raise ValueError(f"{len(self.trajectories)} trajectories but {len(rows)} {name} rows")
+            for t, a in zip(self.trajectories, rows):
+                if len(a) != t.response_length:
+                    raise ValueError(f"trajectory {t.uid}: {len(a)} {name} for {t.response_length} response tokens")
 
     @property
     def num_tokens(self) -> int:
