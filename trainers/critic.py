@@ -55,7 +55,7 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()
+        return self.value_head(hidden).squeeze(-1).float().clone()  # not a view: FSDP hooks the output
 
 
 class CriticTrainer:
