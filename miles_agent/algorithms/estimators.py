@@ -38,7 +38,7 @@ def needs_reference(algo: AlgoConfig) -> bool:
 
 
 def check_estimator(algo: AlgoConfig) -> None:
-    """Fail before any work on a misspelled estimator or options it cannot honour."""
+    """Fail before any work on a misspelled estimator or driver-side options it cannot honour."""
     if algo.advantage not in ESTIMATORS:
         raise UserError(f"unknown advantage estimator {algo.advantage!r}; choose one of: {', '.join(ESTIMATORS)} "
                         "(config key algo.advantage)")
@@ -51,6 +51,8 @@ def check_estimator(algo: AlgoConfig) -> None:
                         f"{', '.join(TOKEN_LEVEL)}")
     if not 0.0 <= algo.gamma <= 1.0 or not 0.0 <= algo.gae_lambda <= 1.0:
         raise UserError(f"algo.gamma and algo.gae_lambda must lie in [0, 1] (got {algo.gamma}, {algo.gae_lambda})")
+    if algo.dynamic_sampling and algo.dynamic_sampling_max_rounds < 1:
+        raise UserError(f"algo.dynamic_sampling_max_rounds must be >= 1 (got {algo.dynamic_sampling_max_rounds})")
 
 
 def estimate(algo: AlgoConfig, trajectories: Sequence[Trajectory], *, kl: Sequence[Sequence[float]] | None = None,
