@@ -49,7 +49,8 @@ class TrainBatch:
 @runtime_checkable
 class Trainer(Protocol):
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over the whole batch (packed into micro-batches); returns metrics."""
+        """Optimizer step(s) over the whole batch (``train.mini_batches`` x ``train.ppo_epochs``, each
+        packed into micro-batches); returns metrics."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
