@@ -103,7 +103,7 @@ class Run:
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
-        check_estimator(cfg.algo)  # a bad name fails before any work
+        check_estimator(cfg.algo, cfg.rollout.samples_per_prompt)  # a bad name fails before any work
         self.env = build_env(cfg)
         model, self.tokenizer = load_policy(cfg, self.env)
         engine_model = copy.deepcopy(model)  # before the trainer shards its own copy

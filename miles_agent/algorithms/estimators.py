@@ -37,7 +37,7 @@ def needs_reference(algo: AlgoConfig) -> bool:
     return algo.kl_coef > 0 or algo.kl_reward_coef > 0
 
 
-def check_estimator(algo: AlgoConfig) -> None:
+def check_estimator(algo: AlgoConfig, samples_per_prompt: int | None = None) -> None:
     """Fail before any work on a misspelled estimator or driver-side options it cannot honour."""
     if algo.advantage not in ESTIMATORS:
         raise UserError(f"unknown advantage estimator {algo.advantage!r}; choose one of: {', '.join(ESTIMATORS)} "
@@ -53,6 +53,9 @@ def check_estimator(algo: AlgoConfig) -> None:
         raise UserError(f"algo.gamma and algo.gae_lambda must lie in [0, 1] (got {algo.gamma}, {algo.gae_lambda})")
     if algo.dynamic_sampling and algo.dynamic_sampling_max_rounds < 1:
         raise UserError(f"algo.dynamic_sampling_max_rounds must be >= 1 (got {algo.dynamic_sampling_max_rounds})")
+    if algo.dynamic_sampling and samples_per_prompt is not None and samples_per_prompt < 2:
+        raise UserError(f"algo.dynamic_sampling keeps groups whose rewards differ, which needs "
+                        f"rollout.samples_per_prompt >= 2 (got {samples_per_prompt})")
 
 
 def estimate(algo: AlgoConfig, trajectories: Sequence[Trajectory], *, kl: Sequence[Sequence[float]] | None = None,

@@ -32,12 +32,16 @@ def test_unknown_estimator_lists_every_valid_name() -> None:
         check_estimator(cfg.algo)
 
 
-def test_kl_in_reward_needs_a_token_level_estimator() -> None:
+def test_options_the_driver_cannot_honour_fail_early() -> None:
     with pytest.raises(UserError, match="kl_reward_coef"):
         check_estimator(AlgoConfig(advantage="grpo", kl_reward_coef=0.1))
     with pytest.raises(UserError, match="gamma"):
         check_estimator(AlgoConfig(advantage="gae", gamma=1.5))
     check_estimator(AlgoConfig(advantage="reinforce_pp", kl_reward_coef=0.1))
+    with pytest.raises(UserError, match="samples_per_prompt >= 2"):
+        check_estimator(AlgoConfig(dynamic_sampling=True), samples_per_prompt=1)
+    with pytest.raises(UserError, match="max_rounds"):
+        check_estimator(AlgoConfig(dynamic_sampling=True, dynamic_sampling_max_rounds=0))
 
 
 def test_estimate_dispatches_by_name() -> None:
