@@ -18,6 +18,7 @@ The module needs only the standard library, so environment workers can import it
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Hashable, Sequence
 
@@ -48,6 +49,7 @@ def per_episode(fn: AdvantageFn) -> AdvantageFn:
     (group, episode) -- the mean reward of the episode's trajectories -- and each trajectory gets its
     episode's advantage. Without ``episode_ids`` every trajectory is its own episode."""
 
+    @functools.wraps(fn)
     def wrapped(rewards: Sequence[float], group_ids: Sequence[Hashable], *args: object,
                 episode_ids: Sequence[Hashable] | None = None, **kwargs: object) -> list[float]:
         check_rewards(rewards, group_ids)
@@ -67,7 +69,6 @@ def per_episode(fn: AdvantageFn) -> AdvantageFn:
                 adv[i] = a
         return adv
 
-    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
     return wrapped
 
 
