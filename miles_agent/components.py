@@ -14,8 +14,10 @@ from miles_agent.errors import UserError
 
 
 def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    extra = {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
     return registry.load("trainers", cfg.train.backend)(
-        model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device)
+        model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device,
+        **extra)
 
 
 def build_critic(cfg: Config, model: Any, tokenizer: Any) -> Any:
@@ -42,6 +44,7 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
 
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
-    from miles_agent.weight_sync import InProcessTransport
+    """The weight transport ``cfg.sync`` names (inprocess, shm, distributed, disk) over these engines."""
+    from miles_agent.weight_sync.factory import build_transport as build
 
-    return InProcessTransport(engines)
+    return build(cfg.sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device)

@@ -63,6 +63,19 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """Parallel layout for train.backend=megatron (ranks = tensor * pipeline * context * data)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1  # MoE experts split over this many ranks of each pipeline stage
+    expert_tensor_parallel: int = 1
+    context_parallel: int = 1
+    first_stage_layers: int | None = None  # uneven pipelines: layers on the first / last stage
+    last_stage_layers: int | None = None
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae
     normalize_std: bool = True  # False = Dr.GRPO
@@ -99,6 +112,8 @@ class EnvConfig:
     max_total_tokens: int = 1024
     max_new_tokens_per_turn: int = 96
     max_observation_tokens: int = 256
+    agent: str = ""  # black-box harness: the agent command, or module:function of an async agent
+    agent_timeout_s: float = 600.0  # black-box harness: the agent's wall-clock limit per episode
 
 
 @dataclass(frozen=True)
@@ -112,13 +127,30 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class SyncConfig:
+    # How weights reach the engines: inprocess | shm | distributed | disk (miles_agent/weight_sync/).
+    transport: str = "inprocess"
+    bucket_mb: int = 64  # extra memory a sync needs is about one bucket on each side
+    check: bool = False  # after every sync, compare per-tensor checksums of trainer and engines
+    backend: str = "auto"  # distributed: gloo | nccl | auto (nccl on cuda, else gloo)
+    master_address: str = "127.0.0.1"  # distributed: where the engines meet trainer rank 0
+    master_port: int = 0  # distributed: 0 = a free port
+    disk_dir: str = ""  # disk: "" = <run.run_dir>/weights
+    disk_keep: int = 2  # disk: newest versions kept on disk
+    strip_prefix: str = ""  # trainer-name prefix removed before sending (e.g. "_orig_mod.")
+    add_prefix: str = ""  # prefix added to every engine name
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
