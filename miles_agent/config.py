@@ -124,6 +124,10 @@ class RunConfig:
     checkpoint_every: int = 0  # 0 = only at the end
     eval_every: int = 0
     progress: bool = True
+    sinks: str = ""  # extra metric sinks besides metrics.jsonl: "tensorboard", "wandb", or both comma-separated
+    wandb_project: str = "miles-agent"
+    dump_rollouts: int = 0  # write every N-th step's trajectories to RUN_DIR/rollouts/ (0 = never)
+    log_samples: int = 2  # trajectories per step kept in RUN_DIR/samples.jsonl for `miles-agent report`
 
 
 @dataclass(frozen=True)

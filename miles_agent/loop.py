@@ -23,11 +23,14 @@ from typing import Any
 
 from miles_agent import registry
 from miles_agent.config import Config
+from miles_agent.dumps import RolloutRecorder
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import Environment, HarnessLimits, Task
 from miles_agent.errors import UserError
-from miles_agent.metrics import MetricsLog, rollout_metrics, summary_line
+from miles_agent.metrics import rollout_metrics, summary_line
+from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner, collect
+from miles_agent.sinks import build_sinks
 from miles_agent.types import Status, Trajectory
 
 
@@ -121,7 +124,8 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
-        self.metrics = MetricsLog(self.run_dir)
+        self.metrics = build_sinks(self.run_dir, cfg.run.sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
+        self.observer = StepObserver(self.runner, self.engines)
         self.step = 0
         self._resync_version: int | None = None
         if resume:
@@ -130,6 +134,7 @@ class Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             self.metrics.path.unlink(missing_ok=True)
+        self.recorder = RolloutRecorder(self.run_dir, cfg.run.dump_rollouts, cfg.run.log_samples, self.step)
 
     def _sandbox_factory(self):  # noqa: ANN202
         if not self.env.needs_sandbox:
@@ -138,6 +143,8 @@ class Run:
 
     async def train(self, progress: Any = None) -> list[dict[str, Any]]:
         cfg, records = self.cfg, []
+        if progress and hasattr(self.trainer, "on_micro_batch"):
+            self.trainer.on_micro_batch = progress.micro_batch_done
         if self._resync_version is not None:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
             self._resync_version = None
@@ -153,20 +160,23 @@ class Run:
                                    "nothing to train on")
             record.update(rollout_metrics(trajs))
             record["episode_retries"] = float(self.runner.stats.retries)
+            record.update(self.observer.rollout_record(trajs, trainer_version=self.step))
             if progress:
                 progress.phase("train")
             batch, algo_metrics = self.batches.build(trainable)  # advantages; a critic steps here
             record.update(algo_metrics)
+            self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
             train_metrics = self.trainer.train_step(batch)
             t2 = time.perf_counter()
             if progress:
                 progress.phase("sync")
-            sync = await self.transport.push(self.trainer.named_weights(), version=self.step + 1)
+            weights = progress.track_sync(self.trainer.named_weights()) if progress else self.trainer.named_weights()
+            sync = await self.transport.push(weights, version=self.step + 1)
             t3 = time.perf_counter()
             record.update({f"train/{k}": v for k, v in train_metrics.items()})
             record.update(sync)
             record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
-                           "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
+                           "time/step": t3 - t0, "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
             self.step += 1
             self.metrics.write(record)
             records.append(record)
@@ -245,6 +255,7 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
             run.batches.close()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
+            run.metrics.close()
             if view is not None:
                 view.close()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,7 @@ class FSDP2Trainer:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.step = 0
+        self.on_micro_batch: Callable[[int, int], None] | None = None  # (done, total): the live view's hook
         self.ref_model: nn.Module | None = None
         if needs_reference(algo):  # a frozen copy of the initial policy, sharded the same way (not saved)
             self.ref_model = shard(copy.deepcopy(model).requires_grad_(False).eval().to(self.device), self.mesh)
@@ -183,6 +184,7 @@ class FSDP2Trainer:
         self.model.train()
         sums: dict[str, Tensor] = {}
         grad_norms = []
+        done, total = 0, cfg.ppo_epochs * sum(len(step[0]) for step in steps)
         for epoch in range(cfg.ppo_epochs):
             for m, (mbs, olds, refs, norm) in enumerate(steps):
                 self.optimizer.zero_grad(set_to_none=True)
@@ -192,6 +194,9 @@ class FSDP2Trainer:
                     for k, v in self._micro_step(mb, old, ref, norm, measure).items():
                         sums[k] = torch.maximum(sums[k], v) if k == "mismatch/abs_max" and k in sums \
                             else sums.get(k, 0.0) + v
+                    done += 1
+                    if self.on_micro_batch is not None:
+                        self.on_micro_batch(done, total)
                 grad_norms.append(self._clip_and_step())
         return self._reduce_metrics(sums, grad_norms, len(minis), trajs)
 
