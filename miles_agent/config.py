@@ -100,6 +100,22 @@ class AlgoConfig:
     mismatch_veto: float = 0.0  # drop a sequence if any token's ratio is below this; 0 = off
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, roll out more to refill the batch
     dynamic_sampling_max_rounds: int = 4  # rollout rounds per step at most (the first included)
+    # On-policy distillation (miles_agent/distill.py): off while distill_teacher is None.
+    distill_teacher: str | None = None  # the teacher's HF folder, or "builtin" = the env's warm start
+    distill_mode: str = "reward"  # reward: reverse KL in per-token advantages | loss: a loss term
+    distill_coef: float = 1.0  # weight of the reverse-KL signal
+    distill_task_coef: float = 1.0  # weight of the task reward's advantage beside it; 0 = pure distillation
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """What an ``algo.loss: sft`` run trains on (miles_agent/sft.py)."""
+
+    data: str = "demonstrator"  # "demonstrator" (the env's, on `split`) or a .jsonl of Trajectory.to_dict() lines
+    split: str = "sft"  # the env's task split the demonstrator plays
+    tool_rate: float = 1.0  # demonstrator data: how often it calls its tool (arith-tools: 1.0 = the oracle)
+    batch_size: int = 32  # trajectories per optimizer step
+    max_examples: int = 0  # use at most this many trajectories (the first ones); 0 = all
 
 
 @dataclass(frozen=True)
@@ -153,6 +169,7 @@ class Config:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 

@@ -104,6 +104,7 @@ class Run:
         from miles_agent.algorithms.batch_builder import BatchBuilder
         from miles_agent.algorithms.estimators import check_estimator
         from miles_agent.components import build_critic, build_engines, build_trainer, build_transport
+        from miles_agent.distill import build_distiller
         from miles_agent.models.loading import load_policy
 
         check_device(cfg.model.device)
@@ -124,6 +125,7 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        self.distiller = build_distiller(cfg, self.env, self.tokenizer, self.engine)  # None unless a teacher is set
         self.metrics = build_sinks(self.run_dir, cfg.run.sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
         self.observer = StepObserver(self.runner, self.engines)
         self.step = 0
@@ -165,6 +167,9 @@ class Run:
                 progress.phase("train")
             batch, algo_metrics = self.batches.build(trainable)  # advantages; a critic steps here
             record.update(algo_metrics)
+            if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
+                batch, distill_metrics = await self.distiller.apply(batch)
+                record.update(distill_metrics)
             self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
             train_metrics = self.trainer.train_step(batch)
             t2 = time.perf_counter()
@@ -243,6 +248,10 @@ class Run:
 def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
     """Build a run and train it; returns the per-step metric records. ``progress(run)`` makes the live
     view once the run is built (so bad input fails before any bar is drawn)."""
+    if cfg.algo.loss == "sft":  # supervised: a dataset of trajectories instead of rollouts
+        from miles_agent.sft import train_sft
+
+        return train_sft(cfg, resume=resume, progress=progress)
     run = Run(cfg, resume=resume)
     view = progress(run) if progress else None
 
@@ -253,6 +262,8 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
             for engine in run.engines:
                 await engine.shutdown()
             run.batches.close()
+            if run.distiller is not None:
+                await run.distiller.shutdown()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
             run.metrics.close()

@@ -29,9 +29,11 @@ class TrainBatch:
     advantages: list[list[float]]
     old_logprobs: list[list[float]] | None = None
     ref_logprobs: list[list[float]] | None = None
+    # A teacher's logprob per response token: on-policy distillation's loss term (algorithms/distill.py).
+    teacher_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("advantages", "old_logprobs", "ref_logprobs"):
+        for name in ("advantages", "old_logprobs", "ref_logprobs", "teacher_logprobs"):
             rows = getattr(self, name)
             if rows is None:
                 continue

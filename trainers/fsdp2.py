@@ -32,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from miles_agent.algorithms import mismatch
+from miles_agent.algorithms.distill import distill_loss
 from miles_agent.algorithms.estimators import needs_reference
 from miles_agent.algorithms.losses import compute_loss, loss_options, validate_options
 from miles_agent.config import AlgoConfig, TrainConfig
@@ -142,8 +143,10 @@ class FSDP2Trainer:
         return [self._logp(model, mb)[0] for mb in mbs]
 
     def _micro_batches(self, trajectories: Sequence[Trajectory], plan: list[list[int]],
-                       advantages: Sequence[Sequence[float]] | None) -> list[MicroBatch]:
-        return [build_micro_batch(trajectories, idx, advantages, self.pad_id).to(self.device) for idx in plan]
+                       advantages: Sequence[Sequence[float]] | None,
+                       teacher: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
+        return [build_micro_batch(trajectories, idx, advantages, self.pad_id, teacher).to(self.device)
+                for idx in plan]
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory], reference: bool = False) -> list[list[float]]:
         """Current-policy (or, with ``reference``, reference-policy) logprob per response position
@@ -176,7 +179,7 @@ class FSDP2Trainer:
         for mini in minis:
             plan = [[mini[j] for j in mb] for mb in rank_plan([lengths[i] for i in mini], cfg.micro_batch_tokens,
                                                                 self.world_size, self.rank)]
-            mbs = self._micro_batches(trajs, plan, batch.advantages)
+            mbs = self._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
             olds = self._given_or_computed(mbs, batch.old_logprobs, None if self.algo.use_rollout_logprobs
                                            else self.model)
             refs = self._given_or_computed(mbs, batch.ref_logprobs, self.ref_model)
@@ -222,6 +225,11 @@ class FSDP2Trainer:
                                      ref_logp=ref, entropy=entropy, is_weights=is_weights,
                                      num_tokens=norm["num_tokens"], num_seqs=norm["num_seqs"],
                                      row_weights=row_weight_tensor(mb, norm), **self._loss_opts)
+        if mb.teacher_logp is not None:  # on-policy distillation in loss mode (algorithms/distill.py)
+            term, extra = distill_loss(logp, mb.teacher_logp, mb.loss_mask, coef=self.algo.distill_coef,
+                                       loss_agg=self.algo.loss_agg, num_tokens=norm["num_tokens"],
+                                       num_seqs=norm["num_seqs"])
+            loss, metrics = loss + term, {**metrics, **extra, "loss": metrics["loss"] + extra["distill_loss"]}
         # FSDP averages gradients over ranks; each rank's loss is its share of the global sum.
         (loss * self.world_size).backward()
         if is_weights is not None:

@@ -51,6 +51,9 @@ def check_estimator(algo: AlgoConfig, samples_per_prompt: int | None = None) -> 
                         f"{', '.join(TOKEN_LEVEL)}")
     if not 0.0 <= algo.gamma <= 1.0 or not 0.0 <= algo.gae_lambda <= 1.0:
         raise UserError(f"algo.gamma and algo.gae_lambda must lie in [0, 1] (got {algo.gamma}, {algo.gae_lambda})")
+    if algo.loss_agg == "group_mean_token_mean" and algo.distill_teacher and algo.distill_mode == "loss":
+        raise UserError("algo.loss_agg=group_mean_token_mean is not supported with algo.distill_mode=loss yet; "
+                        "use another loss_agg or distill_mode=reward")
     if algo.dynamic_sampling and algo.dynamic_sampling_max_rounds < 1:
         raise UserError(f"algo.dynamic_sampling_max_rounds must be >= 1 (got {algo.dynamic_sampling_max_rounds})")
     if algo.dynamic_sampling and samples_per_prompt is not None and samples_per_prompt < 2:

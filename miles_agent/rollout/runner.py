@@ -201,6 +201,19 @@ class ModelRunner:
         rows = self._routing_rows(routing)
         return self._logits(h[:, 0]), (None if rows is None else rows[:, 0])
 
+    @torch.inference_mode()
+    def score(self, ids: list[int], start: int, temperature: float) -> list[float]:
+        """Logprob of ``ids[start:]`` (``start >= 1``), each given the tokens before it, from one causal
+        forward that never touches the KV cache (so it runs between decode steps without disturbing them)."""
+        length = len(ids)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(length, device=self.device)[None]
+        mask = torch.ones((length, length), dtype=torch.bool, device=self.device).tril()[None, None]
+        h = self._forward(x, positions, lambda i, q, k, v: self._sdpa(q, k, v, mask), None)
+        logits = self._logits(h[0, start - 1:length - 1]) / temperature
+        targets = x[0, start:, None]
+        return (logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)).tolist()
+
     @torch.no_grad()
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into parameters/buffers by HF name; check every name and shape before copying any."""
