@@ -100,6 +100,9 @@ class AlgoConfig:
     mismatch_veto: float = 0.0  # drop a sequence if any token's ratio is below this; 0 = off
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, roll out more to refill the batch
     dynamic_sampling_max_rounds: int = 4  # rollout rounds per step at most (the first included)
+    # Rollout/train consistency (trainers/routing_replay.py, miles_agent/true_on_policy.py):
+    routing_replay: bool = False  # R3: MoE trainer forwards route by the engine's recorded expert ids
+    true_on_policy: bool = False  # engine and trainer share batch-invariant kernels: bitwise-equal logprobs
     # On-policy distillation (miles_agent/distill.py): off while distill_teacher is None.
     distill_teacher: str | None = None  # the teacher's HF folder, or "builtin" = the env's warm start
     distill_mode: str = "reward"  # reward: reverse KL in per-token advantages | loss: a loss term

@@ -30,6 +30,7 @@ from miles_agent.errors import UserError
 from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner, collect
+from miles_agent.rollout.routing_capture import RoutingCapture
 from miles_agent.sinks import build_sinks
 from miles_agent.types import Status, Trajectory
 
@@ -206,9 +207,14 @@ class Run:
         tasks = self.sampler.take(num_tasks)
         if progress:
             progress.phase("rollout", total=len(tasks) * self.cfg.rollout.samples_per_prompt)
-        return await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, self.engine,
-                             self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
-                             group_prefix=f"s{self.step}-" if round_ == 0 else f"s{self.step}r{round_}-")
+        # R3: record the engine's routed experts per call and attach them to the trajectories
+        capture = RoutingCapture(self.engine) if self.cfg.algo.routing_replay else None
+        trajs = await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, capture or self.engine,
+                              self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
+                              group_prefix=f"s{self.step}-" if round_ == 0 else f"s{self.step}r{round_}-")
+        if capture is not None:
+            capture.attach(trajs)
+        return trajs
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

@@ -68,6 +68,7 @@ class MicroBatch:
     advantages: Tensor  # [B, K]
     rollout_logp: Tensor  # [B, K]
     response_cols: list[tuple[int, int]]  # per row: (first grid column of the response, response length)
+    routed_experts: Tensor | None = None  # [B, L, moe_layers, top_k] replay ids (R3), -1 = not replayed
     teacher_logp: Tensor | None = None  # [B, K] when the batch carries a teacher's logprobs (distillation)
 
     @property
@@ -77,7 +78,7 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> MicroBatch:
         for name in ("input_ids", "attention_mask", "targets", "loss_mask", "sampled", "advantages",
-                     "rollout_logp", "teacher_logp"):
+                     "rollout_logp", "teacher_logp", "routed_experts"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(device, non_blocking=True))
         return self

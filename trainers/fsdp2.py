@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from miles_agent import true_on_policy
 from miles_agent.algorithms import mismatch
 from miles_agent.algorithms.distill import distill_loss
 from miles_agent.algorithms.estimators import needs_reference
@@ -39,6 +40,7 @@ from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers import checkpoint as ckpt
+from miles_agent.trainers import routing_replay
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
 from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.trainers.minibatch import normalizers, row_weight_tensor, split_mini_batches, to_grid
@@ -110,6 +112,13 @@ class FSDP2Trainer:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.step = 0
+        if algo.routing_replay and algo.true_on_policy:
+            raise UserError("algo.routing_replay and algo.true_on_policy are exclusive: true on-policy mode "
+                            "already routes bit for bit like the engine; set algo.routing_replay=false")
+        if algo.routing_replay:  # R3: MoE routers follow the engine's expert ids (hooks idle otherwise)
+            routing_replay.install(model)
+        if algo.true_on_policy:  # the engine's batch-invariant numerics: bitwise-equal logprobs
+            true_on_policy.apply(model)
         self.on_micro_batch: Callable[[int, int], None] | None = None  # (done, total): the live view's hook
         self.ref_model: nn.Module | None = None
         if needs_reference(algo):  # a frozen copy of the initial policy, sharded the same way (not saved)
@@ -125,11 +134,15 @@ class FSDP2Trainer:
               entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprob of each grid target at ``temperature`` (the engine's convention), plus the full
         distribution's entropy when asked (with gradient only when it is part of the loss)."""
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
-                    use_cache=False)
+        with routing_replay.replaying(model, mb.routed_experts):
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
+                        use_cache=False)
         logits = out.logits[:, :-1].float() / self.temperature
         lse = torch.logsumexp(logits, dim=-1)
-        logp = logits.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1) - lse
+        if self.algo.true_on_policy:
+            logp = true_on_policy.log_softmax(logits).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        else:
+            logp = logits.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1) - lse
         ent = None
         if entropy:
             src, lse_e = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
@@ -145,8 +158,13 @@ class FSDP2Trainer:
     def _micro_batches(self, trajectories: Sequence[Trajectory], plan: list[list[int]],
                        advantages: Sequence[Sequence[float]] | None,
                        teacher: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
-        return [build_micro_batch(trajectories, idx, advantages, self.pad_id, teacher).to(self.device)
-                for idx in plan]
+        mbs = [build_micro_batch(trajectories, idx, advantages, self.pad_id, teacher) for idx in plan]
+        if self.algo.routing_replay:
+            routers = routing_replay.moe_routers(self.model)
+            for mb in mbs:
+                mb.routed_experts = routing_replay.layout(trajectories, mb.indices, mb.input_ids.shape[1],
+                                                          len(routers), routers[0].top_k)
+        return [mb.to(self.device) for mb in mbs]
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory], reference: bool = False) -> list[list[float]]:
         """Current-policy (or, with ``reference``, reference-policy) logprob per response position

@@ -66,7 +66,7 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_batch_size: int = 128,
                  device: str | torch.device = "cpu", max_seq_len: int | None = None,
-                 weight_version: int = 0) -> None:
+                 weight_version: int = 0, true_on_policy: bool = False) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -75,7 +75,12 @@ class LocalEngine:
             raise ValueError(f"max_seq_len must be >= 2 (set it or the model's max_position_embeddings), "
                              f"got {max_seq_len}")
         self.device = torch.device(device)
+        if true_on_policy:  # the trainer's batch-invariant numerics: bitwise-equal logprobs
+            from miles_agent import true_on_policy as exact
+
+            exact.apply(model)
         self.runner = ModelRunner(model, self.device, max_seq_len, max_batch_size)
+        self.runner.exact = true_on_policy
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -343,7 +348,7 @@ class LocalEngine:
         if not live:
             return
         tokens, logprobs = sample(logits[live], [seqs[b].sampling for b in live],
-                                  [seqs[b].generator for b in live])
+                                  [seqs[b].generator for b in live], exact=self.runner.exact)
         for b, tok, lp in zip(live, tokens, logprobs):
             seqs[b].append(tok, lp, self._version)
         self.stats["generated_tokens"] += len(live)
