@@ -102,8 +102,9 @@ class Run:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         import torch
 
-        from miles_agent.algorithms.advantages import get_advantage_fn
-        from miles_agent.components import build_engines, build_trainer, build_transport
+        from miles_agent.algorithms.batch_builder import BatchBuilder
+        from miles_agent.algorithms.estimators import check_estimator
+        from miles_agent.components import build_critic, build_engines, build_trainer, build_transport
         from miles_agent.distill import build_distiller
         from miles_agent.models.loading import load_policy
 
@@ -112,11 +113,13 @@ class Run:
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
-        self.advantage_fn = get_advantage_fn(cfg.algo.advantage)  # a bad name fails before any work
+        check_estimator(cfg.algo, cfg.rollout.samples_per_prompt)  # a bad name fails before any work
         self.env = build_env(cfg)
         model, self.tokenizer = load_policy(cfg, self.env)
         engine_model = copy.deepcopy(model)  # before the trainer shards its own copy
+        critic = build_critic(cfg, model, self.tokenizer)  # copies the policy before the trainer shards it
         self.trainer = build_trainer(cfg, model, self.tokenizer)
+        self.batches = BatchBuilder(cfg.algo, self.trainer, critic)
         self.engines = build_engines(cfg, engine_model, self.tokenizer)
         self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
         self.transport = build_transport(cfg, self.trainer, self.engines)
@@ -144,9 +147,6 @@ class Run:
         return sandbox_factory(self.cfg.env.sandbox, self.cfg.env.sandbox_options)
 
     async def train(self, progress: Any = None) -> list[dict[str, Any]]:
-        from miles_agent.algorithms.advantages import per_token
-        from miles_agent.trainer import TrainBatch
-
         cfg, records = self.cfg, []
         if progress and hasattr(self.trainer, "on_micro_batch"):
             self.trainer.on_micro_batch = progress.micro_batch_done
@@ -156,7 +156,8 @@ class Run:
         while self.step < cfg.run.steps:
             record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
             t0 = time.perf_counter()
-            trajs = await self.rollout(progress)
+            trajs, sampling = await self.rollout(progress)
+            record.update(sampling)
             t1 = time.perf_counter()
             trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
             if not trainable:
@@ -167,9 +168,8 @@ class Run:
             record.update(self.observer.rollout_record(trajs, trainer_version=self.step))
             if progress:
                 progress.phase("train")
-            adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
-                                                normalize_std=cfg.algo.normalize_std)
-            batch = TrainBatch(trainable, per_token(trainable, adv))
+            batch, algo_metrics = self.batches.build(trainable)  # advantages; a critic steps here
+            record.update(algo_metrics)
             if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
                 batch, distill_metrics = await self.distiller.apply(batch)
                 record.update(distill_metrics)
@@ -196,15 +196,24 @@ class Run:
         self.trainer.save_hf(self.run_dir / "final")
         return records
 
-    async def rollout(self, progress: Any = None) -> list[Trajectory]:
-        tasks = self.sampler.take(self.cfg.rollout.prompts_per_step)
+    async def rollout(self, progress: Any = None) -> tuple[list[Trajectory], dict[str, float]]:
+        """One step's trajectories (with DAPO dynamic sampling: informative groups only) and metrics."""
+        if self.cfg.algo.dynamic_sampling:
+            from miles_agent.algorithms.dynamic_sampling import dynamic_sample
+
+            return await dynamic_sample(lambda n, r: self._collect(n, r, progress), self.cfg.rollout.prompts_per_step,
+                                        self.cfg.algo.dynamic_sampling_max_rounds)
+        return await self._collect(self.cfg.rollout.prompts_per_step, 0, progress), {}
+
+    async def _collect(self, num_tasks: int, round_: int, progress: Any = None) -> list[Trajectory]:
+        tasks = self.sampler.take(num_tasks)
         if progress:
             progress.phase("rollout", total=len(tasks) * self.cfg.rollout.samples_per_prompt)
         # R3: record the engine's routed experts per call and attach them to the trajectories
         capture = RoutingCapture(self.engine) if self.cfg.algo.routing_replay else None
         trajs = await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, capture or self.engine,
                               self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
-                              group_prefix=f"s{self.step}-")
+                              group_prefix=f"s{self.step}-" if round_ == 0 else f"s{self.step}r{round_}-")
         if capture is not None:
             capture.attach(trajs)
         return trajs
@@ -215,6 +224,7 @@ class Run:
         ckpt_root = self.run_dir / "checkpoints"
         path = ckpt_root / f"step_{self.step}"
         self.trainer.save_checkpoint(path / "trainer")
+        self.batches.save_checkpoint(path)
         state = {"step": self.step, "sampler_position": self.sampler.position,
                  "weight_version": self.engine.weight_version, "rng": random.getstate()}
         tmp = path / "loop_state.json.tmp"
@@ -232,6 +242,7 @@ class Run:
                             "run without --resume to start fresh")
         path = self.run_dir / "checkpoints" / latest.read_text().strip()
         self.trainer.load_checkpoint(path / "trainer")
+        self.batches.load_checkpoint(path)
         state = json.loads((path / "loop_state.json").read_text())
         self.step, self.sampler.position = state["step"], state["sampler_position"]
         rng = state["rng"]
@@ -258,6 +269,7 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
         finally:
             for engine in run.engines:
                 await engine.shutdown()
+            run.batches.close()
             if run.distiller is not None:
                 await run.distiller.shutdown()
             if hasattr(run.trainer, "close"):

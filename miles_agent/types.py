@@ -76,11 +76,15 @@ class Trajectory:
     task_id: str = ""
     group_id: str = ""  # samples sharing a group_id are normalized together (GRPO)
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Trajectories of one rollout (branches of one episode) share it: one sample in group statistics.
+    episode_id: str = ""  # "" = this trajectory's own uid
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+        if not self.episode_id:
+            self.episode_id = self.uid
 
     # -- building -----------------------------------------------------------------------------
     @property
@@ -166,7 +170,7 @@ class Trajectory:
     # -- serialization (rollout dumps, Ray transfer) -----------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "uid": self.uid, "task_id": self.task_id, "group_id": self.group_id,
+            "uid": self.uid, "task_id": self.task_id, "group_id": self.group_id, "episode_id": self.episode_id,
             "prompt_ids": self.prompt_ids, "tokens": self.tokens, "loss_mask": self.loss_mask,
             "rollout_logprobs": self.rollout_logprobs, "spans": [s.to_dict() for s in self.spans],
             "routed_experts": None if self.routed_experts is None else self.routed_experts.tolist(),
@@ -183,5 +187,6 @@ class Trajectory:
             routed_experts=None if re is None else np.asarray(re, dtype=np.int32),
             reward=d.get("reward"), reward_parts=dict(d.get("reward_parts", {})), status=Status(d["status"]),
             task_id=d.get("task_id", ""), group_id=d.get("group_id", ""), uid=d["uid"],
+            episode_id=d.get("episode_id", ""),  # older dumps: each trajectory its own episode
             metadata=dict(d.get("metadata", {})),
         )

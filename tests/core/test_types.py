@@ -27,6 +27,16 @@ def test_valid_trajectory_round_trips():
     assert u.to_dict() == t.to_dict()
 
 
+def test_episode_id_defaults_to_uid_and_old_dumps_still_load():
+    t = make()
+    assert t.episode_id == t.uid
+    t.episode_id = "ep-7"
+    assert Trajectory.from_dict(t.to_dict()).episode_id == "ep-7"
+    old = t.to_dict()
+    del old["episode_id"]  # a dump written before the field existed: each trajectory its own episode
+    assert Trajectory.from_dict(old).episode_id == t.uid
+
+
 @pytest.mark.parametrize("breakage, message", [
     (lambda t: t.loss_mask.__setitem__(2, 1), "did not sample"),
     (lambda t: t.rollout_logprobs.pop(), "rollout_logprobs has"),
