@@ -1,12 +1,16 @@
 """The driver loop: generate, train, sync weights -- read it top to bottom.
 
     for each step:
-        episodes = harness(task, env, sandbox, engine)   # TITO trajectories, weight version per span
+        batch = scheduler.next_batch()                    # whole groups of TITO trajectories, version per span
         advantages = estimator(rewards, groups)           # per token
-        trainer.train_step(trajectories, advantages)
-        transport.push(trainer weights -> engine, version = step + 1)
+        trainer.train_step(trajectories, advantages)      # in a thread: async modes keep generating meanwhile
+        with scheduler.weight_update():                   # one-step-off: batch in flight ends; async: pause
+            transport.push(trainer weights -> engine, version = step + 1)
+        checkpoint every N steps                          # trainer + scheduler buffer + RNG, atomically
 
-Everything here runs on the embedded defaults in one process; the same loop drives Ray actors later.
+How episodes overlap training (sync | one_step_off | async, staleness, partial rollouts) lives in
+miles_agent/scheduling.py. Everything here runs on the embedded defaults in one process; the same loop
+drives Ray actors later.
 """
 
 from __future__ import annotations
@@ -17,39 +21,20 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from miles_agent import registry
 from miles_agent.config import Config
 from miles_agent.engine import SamplingParams
-from miles_agent.environment import Environment, HarnessLimits, Task
+from miles_agent.environment import Environment, HarnessLimits
 from miles_agent.errors import UserError
 from miles_agent.metrics import MetricsLog, rollout_metrics, summary_line
-from miles_agent.rollout.episodes import EpisodeRunner, collect
-from miles_agent.types import Status, Trajectory
-
-
-@dataclass
-class TaskSampler:
-    """Deterministic, resumable task order: a fresh seeded shuffle each epoch."""
-
-    tasks: list[Task]
-    seed: int
-    position: int = 0
-    _order: list[int] = field(default_factory=list, repr=False)
-
-    def take(self, n: int) -> list[Task]:
-        out = []
-        for _ in range(n):
-            epoch, i = divmod(self.position, len(self.tasks))
-            if i == 0 or not self._order:
-                self._order = list(range(len(self.tasks)))
-                random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
-            out.append(self.tasks[self._order[i]])
-            self.position += 1
-        return out
+from miles_agent.rollout.episodes import EpisodeRunner
+from miles_agent.run_state import capture_rng, latest_checkpoint, restore_rng, write_checkpoint
+from miles_agent.scheduling import RolloutScheduler, TaskSampler
+from miles_agent.scheduling import check_config as check_scheduling
+from miles_agent.types import Status
 
 
 def build_env(cfg: Config) -> Environment:
@@ -98,6 +83,7 @@ class Run:
         from miles_agent.models.loading import load_policy
 
         check_device(cfg.model.device)
+        check_scheduling(cfg.rollout)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
@@ -113,6 +99,8 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
+                                          seed=cfg.run.seed)
         self.metrics = MetricsLog(self.run_dir)
         self.step = 0
         self._resync_version: int | None = None
@@ -129,6 +117,8 @@ class Run:
         return registry.load("sandboxes", self.cfg.env.sandbox)
 
     async def train(self, progress: Any = None) -> list[dict[str, Any]]:
+        """rollout (scheduler) -> advantages -> train step -> weight push; in one_step_off / async mode the
+        scheduler keeps generating while the trainer works (in a thread), see miles_agent.scheduling."""
         from miles_agent.algorithms.advantages import per_token
         from miles_agent.trainer import TrainBatch
 
@@ -136,81 +126,73 @@ class Run:
         if self._resync_version is not None:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
             self._resync_version = None
-        while self.step < cfg.run.steps:
-            record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
-            t0 = time.perf_counter()
-            trajs = await self.rollout(progress)
-            t1 = time.perf_counter()
-            trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
-            if not trainable:
-                raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
-                                   "nothing to train on")
-            record.update(rollout_metrics(trajs))
-            record["episode_retries"] = float(self.runner.stats.retries)
-            if progress:
-                progress.phase("train")
-            adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
-                                                normalize_std=cfg.algo.normalize_std)
-            train_metrics = self.trainer.train_step(TrainBatch(trainable, per_token(trainable, adv)))
-            t2 = time.perf_counter()
-            if progress:
-                progress.phase("sync")
-            sync = await self.transport.push(self.trainer.named_weights(), version=self.step + 1)
-            t3 = time.perf_counter()
-            record.update({f"train/{k}": v for k, v in train_metrics.items()})
-            record.update(sync)
-            record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
-                           "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
-            self.step += 1
-            self.metrics.write(record)
-            records.append(record)
-            if progress:
-                progress.step_done(record, summary_line(record))
-            every = cfg.run.checkpoint_every
-            if (every and self.step % every == 0) or self.step == cfg.run.steps:
-                self.save_checkpoint()
+        self.scheduler.on_episode_done = progress.episode_done if progress else None
+        try:
+            while self.step < cfg.run.steps:
+                record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
+                if progress:
+                    progress.phase("rollout", total=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
+                t0 = time.perf_counter()
+                trajs, sched_metrics = await self.scheduler.next_batch(version=self.step)
+                t1 = time.perf_counter()
+                trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
+                if not trainable:
+                    raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
+                                       "nothing to train on")
+                record.update(rollout_metrics(trajs))
+                record.update(sched_metrics)
+                record["episode_retries"] = float(self.runner.stats.retries)
+                if progress:
+                    progress.phase("train")
+                adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
+                                        normalize_std=cfg.algo.normalize_std)
+                batch = TrainBatch(trainable, per_token(trainable, adv))
+                train_metrics = await asyncio.to_thread(self.trainer.train_step, batch)  # rollouts go on
+                t2 = time.perf_counter()
+                if progress:
+                    progress.phase("sync")
+                async with self.scheduler.weight_update():
+                    sync = await self.transport.push(self.trainer.named_weights(), version=self.step + 1)
+                t3 = time.perf_counter()
+                record.update({f"train/{k}": v for k, v in train_metrics.items()})
+                record.update(sync)
+                record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
+                               "time/step": t3 - t0,
+                               "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
+                self.step += 1
+                self.metrics.write(record)
+                records.append(record)
+                if progress:
+                    progress.step_done(record, summary_line(record))
+                every = cfg.run.checkpoint_every
+                if (every and self.step % every == 0) or self.step == cfg.run.steps:
+                    self.save_checkpoint()
+        finally:
+            await self.scheduler.close()
         self.trainer.save_hf(self.run_dir / "final")
         return records
 
-    async def rollout(self, progress: Any = None) -> list[Trajectory]:
-        tasks = self.sampler.take(self.cfg.rollout.prompts_per_step)
-        if progress:
-            progress.phase("rollout", total=len(tasks) * self.cfg.rollout.samples_per_prompt)
-        return await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, self.engine,
-                             self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
-                             group_prefix=f"s{self.step}-")
-
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """trainer state + loop state in ``checkpoints/step_N``, then ``latest`` points at it."""
-        ckpt_root = self.run_dir / "checkpoints"
-        path = ckpt_root / f"step_{self.step}"
-        self.trainer.save_checkpoint(path / "trainer")
-        state = {"step": self.step, "sampler_position": self.sampler.position,
-                 "weight_version": self.engine.weight_version, "rng": random.getstate()}
-        tmp = path / "loop_state.json.tmp"
-        tmp.write_text(json.dumps(state))
-        tmp.rename(path / "loop_state.json")
-        latest_tmp = ckpt_root / "latest.tmp"
-        latest_tmp.write_text(path.name)
-        latest_tmp.rename(ckpt_root / "latest")
-        return path
+        """Trainer state + loop state (scheduler buffer, RNG) in ``checkpoints/step_N``, atomically."""
+        state = {"step": self.step, "weight_version": self.engine.weight_version,
+                 "episode_retries": self.runner.stats.retries, "episodes_failed": self.runner.stats.failed,
+                 "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
+        return write_checkpoint(self.run_dir / "checkpoints", self.step, self.trainer.save_checkpoint, state)
 
     def _resume(self) -> None:
-        latest = self.run_dir / "checkpoints" / "latest"
-        if not latest.is_file():
-            raise UserError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}; "
-                            "run without --resume to start fresh")
-        path = self.run_dir / "checkpoints" / latest.read_text().strip()
+        path, state = latest_checkpoint(self.run_dir / "checkpoints")
         self.trainer.load_checkpoint(path / "trainer")
-        state = json.loads((path / "loop_state.json").read_text())
-        self.step, self.sampler.position = state["step"], state["sampler_position"]
-        rng = state["rng"]
-        random.setstate((rng[0], tuple(rng[1]), rng[2]))
+        self.step = state["step"]
+        self.runner.stats.retries, self.runner.stats.failed = state["episode_retries"], state["episodes_failed"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"])
         self._resync_version = state["weight_version"]  # pushed to the engine when the loop starts
         # Steps logged after the checkpoint are redone: drop them from the log.
         kept = [r for r in self.metrics.read() if r["step"] < self.step]
-        self.metrics.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = self.metrics.path.with_name(self.metrics.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.metrics.path)
 
 
 def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
