@@ -132,6 +132,7 @@ class RolloutScheduler:
         self.on_episode_done: Callable[[], None] | None = None
         self._epoch = 0
         self._failure: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._sem: asyncio.Semaphore | None = None
 
@@ -180,8 +181,13 @@ class RolloutScheduler:
 
     # -- launching ------------------------------------------------------------------------------------
     def _bind(self) -> None:
-        if self._changed is None:
-            self._changed, self._sem = asyncio.Event(), asyncio.Semaphore(self.concurrency)
+        """Event-loop state is made in the running loop; jobs of a loop that is gone are started again."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._changed, self._sem = loop, asyncio.Event(), asyncio.Semaphore(self.concurrency)
+            for g in self.groups.values():
+                for s in g.slots:
+                    s.job = None
 
     def _top_up(self) -> None:
         """Launch groups up to ``lookahead`` batches beyond the one the trainer takes next; (re)start any
