@@ -11,8 +11,8 @@ Each repeat trains a fresh run per mode for ``--steps`` steps (the first ``--war
 takes the median step time (``time/step``: from asking for a batch to the end of the weight push);
 the ratio is mode / sync within the repeat. Prints min / median / max over repeats, and JSON.
 
-    python bench/async_vs_sync.py                       # ~4 min on 2 busy cores
-    python bench/async_vs_sync.py --repeats 1 --steps 4 --modes async
+    python bench/async_vs_sync.py                       # ~6 min on 2 busy cores
+    python bench/async_vs_sync.py --repeats 1 --modes async,one_step_off
 """
 
 from __future__ import annotations
@@ -81,11 +81,11 @@ def calibrate(args: argparse.Namespace) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--modes", default="async,one_step_off", help="compared against sync, comma-separated")
+    p.add_argument("--modes", default="async", help="compared against sync, comma-separated")
     p.add_argument("--sandbox-start", type=float, help="fixed latency in seconds instead of calibrating")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()

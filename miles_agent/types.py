@@ -89,7 +89,7 @@ class Trajectory:
 
     @property
     def num_turns(self) -> int:
-        return sum(1 for s in self.spans if s.kind is SpanKind.MODEL)
+        return len({s.turn for s in self.spans if s.kind is SpanKind.MODEL})  # a turn may span versions
 
     def append_model(self, ids: list[int], logprobs: list[float], weight_version: int,
                      turn: int, trainable: bool = True,

@@ -21,8 +21,8 @@ SMALL = {"model.warm_start": None, "rollout.prompts_per_step": 2, "rollout.sampl
 
 # The warm start plays real multi-turn episodes; a hot temperature and an entropy bonus make every step
 # move the weights, so a resume that lost any state would show in the next steps' numbers.
-LIVE = {"rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 3, "rollout.temperature": 1.3,
-        "env.max_new_tokens_per_turn": 40, "algo.entropy_coef": 0.01, "run.progress": False,
+LIVE = {"rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "rollout.temperature": 1.3,
+        "env.max_new_tokens_per_turn": 32, "algo.entropy_coef": 0.01, "run.progress": False,
         "run.checkpoint_every": 1}
 
 
