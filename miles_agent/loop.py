@@ -175,8 +175,8 @@ class Run:
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Trainer state + loop state (scheduler buffer, RNG) in ``checkpoints/step_N``, atomically."""
-        state = {"step": self.step, "weight_version": self.engine.weight_version,
-                 "episode_retries": self.runner.stats.retries, "episodes_failed": self.runner.stats.failed,
+        counters = {k: v for k, v in vars(self.runner.stats).items() if isinstance(v, int)}
+        state = {"step": self.step, "weight_version": self.engine.weight_version, "episode_stats": counters,
                  "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
         return write_checkpoint(self.run_dir / "checkpoints", self.step, self.trainer.save_checkpoint, state)
 
@@ -184,7 +184,8 @@ class Run:
         path, state = latest_checkpoint(self.run_dir / "checkpoints")
         self.trainer.load_checkpoint(path / "trainer")
         self.step = state["step"]
-        self.runner.stats.retries, self.runner.stats.failed = state["episode_retries"], state["episodes_failed"]
+        for name, value in state["episode_stats"].items():  # cumulative counters continue
+            setattr(self.runner.stats, name, value)
         self.scheduler.load_state_dict(state["scheduler"])
         restore_rng(state["rng"])
         self._resync_version = state["weight_version"]  # pushed to the engine when the loop starts

@@ -128,8 +128,11 @@ class RolloutScheduler:
         self.concurrency, self.seed = cfg.concurrency, seed
         self.groups: dict[int, Group] = {}  # launched and not yet trained on, by position
         self.consumed = 0  # batches handed to the trainer
-        self.counts = dict(stale_recycled=0, stale_dropped=0, preempted=0, groups_dropped=0)
+        self.counts = dict(stale_recycled=0, stale_dropped=0, preempted=0, groups_dropped=0, groups_filtered=0)
         self.on_episode_done: Callable[[], None] | None = None
+        # A filter on complete groups (e.g. DAPO dynamic sampling: keep groups whose rewards differ);
+        # a rejected group is counted in groups_filtered and a new task takes its place.
+        self.keep_group: Callable[[list[Trajectory]], bool] | None = None
         self._epoch = 0
         self._failure: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -249,15 +252,19 @@ class RolloutScheduler:
         candidates = [g for g in live if g.complete] if self.mode == "async" else live[: self.per_batch]
         for g in candidates:
             self._enforce_staleness(g, version)
-        for g in [g for g in candidates if g.complete and g.empty]:
+        removed = [g for g in candidates if g.complete and (g.empty or not self._keep(g))]
+        for g in removed:
             del self.groups[g.position]
-            self.counts["groups_dropped"] += 1
-        if any(g.empty for g in candidates):
-            self._top_up()  # a group lost every sample: a new task takes its place
-        ready = [g for g in candidates if g.complete and not g.empty][: self.per_batch]
+            self.counts["groups_dropped" if g.empty else "groups_filtered"] += 1
+        if removed:
+            self._top_up()  # new tasks take the places of groups that lost every sample or were filtered
+        ready = [g for g in candidates if g.complete and g.position in self.groups][: self.per_batch]
         if len(ready) < self.per_batch or (self.mode != "async" and len(ready) < len(candidates)):
             return None
         return ready
+
+    def _keep(self, group: Group) -> bool:
+        return group.empty or self.keep_group is None or self.keep_group(group.trajectories())
 
     def _enforce_staleness(self, group: Group, version: int) -> None:
         for i, slot in enumerate(group.slots):

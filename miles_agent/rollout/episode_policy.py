@@ -3,7 +3,7 @@ word of weight-update preemptions.
 
 Why a wrapper: the scheduler decides what a weight update does to an episode in flight and how old
 its samples may be, but the harness only knows `Policy.generate`. This wrapper turns those decisions
-into exceptions that leave the harness (its session and sandbox are still closed on the way out) and
+into interruptions that leave the harness (its session and sandbox are still closed on the way out) and
 that the scheduler catches: `Preempted` (restart the episode) and `StaleEpisode` (recycle or drop it).
 
 Seeds: a request without its own ``sampling.seed`` gets one derived from (run seed, group position,
@@ -21,11 +21,16 @@ from dataclasses import replace
 from miles_agent.engine import Completion, FinishReason, RolloutEngine, SamplingParams
 
 
-class Preempted(Exception):  # noqa: N818 - an event, not an error
+class EpisodeInterrupted(BaseException):  # noqa: N818 - an event, not an error
+    """The scheduler takes this episode back. A BaseException, like asyncio.CancelledError, so that no
+    ``except Exception`` in a harness or runner mistakes it for a failure of the task."""
+
+
+class Preempted(EpisodeInterrupted):
     """The engine aborted this episode's request for a weight update (``partial_rollout=abort``)."""
 
 
-class StaleEpisode(Exception):  # noqa: N818 - an event, not an error
+class StaleEpisode(EpisodeInterrupted):
     """A span of this episode is already more than ``max_staleness`` weight versions old."""
 
     def __init__(self, staleness: int) -> None:

@@ -256,3 +256,19 @@ def test_bad_scheduling_settings_are_clear_errors(setup):
         make(partial_rollout="pause")
     with pytest.raises(UserError, match="recycle"):
         make(stale="keep")
+
+
+def test_a_group_filter_replaces_rejected_groups_with_new_tasks(setup):
+    make = setup[0]
+    sched = make(mode="sync")
+    sched.keep_group = lambda trajs: trajs[0].task_id != order[0]  # reject the first task's group
+
+    async def main():
+        batch, m = await sched.next_batch(version=0)
+        await sched.close()
+        return batch, m
+
+    order = [t.id for t in TaskSampler(PromptsEnv().tasks(), seed=0).take(3)]
+    batch, m = asyncio.run(main())
+    assert m["groups_filtered"] == 1
+    assert [t.task_id for t in batch] == [order[1]] * 2 + [order[2]] * 2
