@@ -147,7 +147,7 @@ class Run:
                 adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
                                         normalize_std=cfg.algo.normalize_std)
                 batch = TrainBatch(trainable, per_token(trainable, adv))
-                train_metrics = await asyncio.to_thread(self.trainer.train_step, batch)  # rollouts go on
+                train_metrics = await self._train_step(batch)
                 t2 = time.perf_counter()
                 if progress:
                     progress.phase("sync")
@@ -171,6 +171,21 @@ class Run:
             await self.scheduler.close()
         self.trainer.save_hf(self.run_dir / "final")
         return records
+
+    async def _train_step(self, batch: Any) -> dict[str, float]:
+        """In sync mode inline; otherwise in a worker thread, so episodes keep running on the event loop."""
+        if self.cfg.rollout.mode == "sync":
+            return self.trainer.train_step(batch)
+        device = getattr(self.trainer, "device", None)
+
+        def step() -> dict[str, float]:
+            if getattr(device, "type", None) == "cuda":  # the current CUDA device is per thread
+                import torch
+
+                torch.cuda.set_device(device)
+            return self.trainer.train_step(batch)
+
+        return await asyncio.to_thread(step)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
