@@ -91,8 +91,13 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--modes", default="async", help="compared against sync, comma-separated")
     p.add_argument("--sandbox-start", type=float, help="fixed latency in seconds instead of calibrating")
+    p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     global SANDBOX_START_S
     t0 = time.perf_counter()
     if args.sandbox_start is None:
