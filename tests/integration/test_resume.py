@@ -5,6 +5,7 @@ mode -- same weights, optimizer, data position, sampling seeds and buffered batc
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -59,11 +60,32 @@ def _without_timings(record: dict) -> str:
     return json.dumps(kept, sort_keys=True)  # NaN compares equal as text
 
 
+# One intra-op thread everywhere: float reductions then do not depend on the thread count, nor on what
+# earlier tests in this process did to torch's thread pool (switching 1 -> 2 threads changes the last bits).
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _cli(run_dir, overrides: dict, steps: int, resume: bool = False) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "miles_agent.cli", "train", "--env", "arith-tools", "--recipe", "tiny-cpu",
+           "--run-dir", str(run_dir), "--steps", str(steps), "--no-progress", *(["--resume"] if resume else []),
+           *(f"{k}={v}" for k, v in overrides.items())]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **ONE_THREAD})
+
+
 def _kill_after_first_checkpoint(run_dir, overrides: dict) -> int:
     """Start `miles-agent train` in a subprocess, SIGKILL it once a checkpoint exists; the checkpoint's step."""
-    cmd = [sys.executable, "-m", "miles_agent.cli", "train", "--env", "arith-tools", "--recipe", "tiny-cpu", "--run-dir", str(run_dir),
-           "--steps", "40", "--no-progress", *(f"{k}={v}" for k, v in overrides.items())]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = _cli(run_dir, overrides, steps=40)
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 120
     while not latest.is_file():
@@ -79,23 +101,26 @@ def _kill_after_first_checkpoint(run_dir, overrides: dict) -> int:
     return int(latest.read_text().strip().removeprefix("step_"))
 
 
+def _log(run_dir) -> list[str]:
+    return [_without_timings(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.parametrize("mode", ["sync", "one_step_off"])
-def test_sigkilled_run_resumes_exactly(tmp_path, mode):
+def test_sigkilled_run_resumes_exactly(tmp_path, mode, one_thread):
     overrides = {**LIVE, "rollout.mode": mode}
     killed, reference = tmp_path / "killed", tmp_path / "reference"
     step = _kill_after_first_checkpoint(killed, overrides)
+    resume = _cli(killed, overrides, steps=step + 3, resume=True)  # `miles-agent train --resume`
+    _, err = resume.communicate(timeout=300)
+    assert resume.returncode == 0, err[-2000:]
 
-    resumed = train(load_config("tiny-cpu", {**overrides, "run.steps": step + 3, "run.run_dir": str(killed)}),
-                    resume=True)
     uninterrupted = train(load_config("tiny-cpu", {**overrides, "run.steps": step + 3,
                                                    "run.run_dir": str(reference)}))
-
+    resumed = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()][step:]
     assert [r["step"] for r in resumed] == [step, step + 1, step + 2]
     assert [_without_timings(r) for r in resumed] == [_without_timings(r) for r in uninterrupted[step:]]
     # The whole log, including the steps the killed process wrote, reads like the uninterrupted run's.
-    logs = [[_without_timings(json.loads(line)) for line in (d / "metrics.jsonl").read_text().splitlines()]
-            for d in (killed, reference)]
-    assert logs[0] == logs[1]
+    assert _log(killed) == _log(reference)
     assert all(r["train/grad_norm"] > 0 and r["sampled_tokens"] > 0 for r in resumed)
     if mode == "one_step_off":
         assert all(r["staleness_max"] == 1.0 for r in uninterrupted[1:])
