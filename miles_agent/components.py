@@ -14,8 +14,10 @@ from miles_agent.errors import UserError
 
 
 def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    extra = {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
     return registry.load("trainers", cfg.train.backend)(
-        model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device)
+        model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device,
+        **extra)
 
 
 def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:

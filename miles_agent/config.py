@@ -66,6 +66,19 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """Parallel layout for train.backend=megatron (ranks = tensor * pipeline * context * data)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1  # MoE experts split over this many ranks of each pipeline stage
+    expert_tensor_parallel: int = 1
+    context_parallel: int = 1
+    first_stage_layers: int | None = None  # uneven pipelines: layers on the first / last stage
+    last_stage_layers: int | None = None
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     advantage: str = "grpo"
     normalize_std: bool = True  # False = Dr.GRPO
@@ -89,6 +102,8 @@ class EnvConfig:
     max_total_tokens: int = 1024
     max_new_tokens_per_turn: int = 96
     max_observation_tokens: int = 256
+    agent: str = ""  # black-box harness: the agent command, or module:function of an async agent
+    agent_timeout_s: float = 600.0  # black-box harness: the agent's wall-clock limit per episode
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -61,7 +61,12 @@ def build_harness(cfg: Config, env: Environment, tokenizer: Any):  # noqa: ANN20
                            max_observation_tokens=cfg.env.max_observation_tokens)
     sampling = SamplingParams(max_new_tokens=cfg.env.max_new_tokens_per_turn, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-    return registry.load("harnesses", name)(tokenizer, limits, sampling)
+    cls = registry.load("harnesses", name)
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    agent = {k: getattr(cfg.env, k) for k in ("agent", "agent_timeout_s") if k in params}  # the black-box harness
+    return cls(tokenizer, limits, sampling, **agent)
 
 
 def check_device(device: str) -> None:

@@ -1,0 +1,21 @@
+"""bench/gpu_check.py runs end to end on CPU (--quick), so the script a GPU session runs is known to work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_quick_on_cpu():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["engine"]["generated_tokens"] > 0
+    assert report["fsdp2"]["step_time_s_median"] > 0
+    assert report["megatron"]["logprob_max_abs_diff_vs_fsdp2"] < 1e-4
+    assert report["megatron"]["loss_rel_diff_vs_fsdp2"] < 1e-3

@@ -1,0 +1,105 @@
+"""The Megatron trainer computes what the FSDP2 trainer computes: same logprobs, same loss, same update
+(Megatron-core layers run on CPU through trainers/megatron/cpu_compat.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
+from miles_agent.errors import UserError
+from miles_agent.models.builder import build_tiny, load_hf
+from miles_agent.trainer import TrainBatch
+from miles_agent.trainers.fsdp2 import FSDP2Trainer
+from miles_agent.trainers.megatron.trainer import MegatronTrainer
+from miles_agent.types import Trajectory
+
+PROMPTS = [[11, 12, 13, 14], [21, 22], [31, 32, 33], [41, 42, 43, 44, 45]]
+
+
+def trajectories() -> list[Trajectory]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        t = Trajectory(prompt_ids=list(prompt), group_id=str(i % 2))
+        ids = torch.randint(60, 200, (9,), generator=g).tolist()
+        t.append_model(ids[:3 + i % 3], [-1.5] * (3 + i % 3), weight_version=0, turn=0)
+        t.append_observation(ids[6:8], turn=0)
+        t.append_model(ids[8:], [-2.0], weight_version=0, turn=1)
+        t.reward = float(i % 2)
+        out.append(t.validate())
+    return out
+
+
+@pytest.fixture
+def pair():
+    """(FSDP2 trainer, Megatron trainer) from the same tiny MoE weights; torn down after the test."""
+    # adam_eps=1 keeps the first Adam step proportional to the gradient (with a tiny eps it is ~sign(g),
+    # which turns float noise in near-zero gradients into full-size differences).
+    train = TrainConfig(lr=0.1, adam_eps=1.0, micro_batch_tokens=24)
+    algo = AlgoConfig(entropy_coef=0.01)
+    trainers = []
+    try:
+        model, tok = build_tiny("tiny-qwen3-moe", seed=3)
+        megatron = MegatronTrainer(model, tok, train, algo, temperature=0.8, megatron=MegatronConfig())
+        trainers.append(megatron)
+        model, tok = build_tiny("tiny-qwen3-moe", seed=3)
+        trainers.insert(0, FSDP2Trainer(model, tok, train, algo, temperature=0.8))
+        yield trainers
+    finally:
+        for t in trainers[::-1]:
+            t.close()
+        assert not dist.is_initialized()
+
+
+def test_same_logprobs_loss_and_update_as_fsdp2(pair):
+    fsdp, meg = pair
+    trajs = trajectories()
+    for a, b in zip(fsdp.compute_logprobs(trajs), meg.compute_logprobs(trajs)):
+        assert a == pytest.approx(b, abs=2e-5)
+    adv = [[(1.0 if i % 2 else -0.5)] * t.response_length for i, t in enumerate(trajs)]
+    m1 = fsdp.train_step(TrainBatch(trajs, adv))
+    m2 = meg.train_step(TrainBatch(trajs, adv))
+    for k in ("loss", "pg_loss", "entropy", "grad_norm", "tokens"):
+        if k in m1:
+            assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
+    w1, w2 = dict(fsdp.named_weights()), dict(meg.named_weights())
+    assert set(w1) == set(w2)
+    moved = 0
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
+        moved += int(not torch.equal(w2[k], build_tiny_weights()[k]))
+    assert moved > len(w1) // 2  # the step really changed the weights, identically
+
+
+_initial: dict[str, torch.Tensor] = {}
+
+
+def build_tiny_weights() -> dict[str, torch.Tensor]:
+    if not _initial:
+        _initial.update(build_tiny("tiny-qwen3-moe", seed=3)[0].state_dict())
+    return _initial
+
+
+def test_save_hf_and_checkpoint_round_trip(pair, tmp_path):
+    _, meg = pair
+    trajs = trajectories()
+    adv = [[1.0] * t.response_length for t in trajs]
+    meg.train_step(TrainBatch(trajs, adv))
+    meg.save_checkpoint(tmp_path / "ckpt")
+    after_one = {k: v.clone() for k, v in meg.named_weights()}
+    meg.save_hf(tmp_path / "hf")
+    reloaded, _ = load_hf(tmp_path / "hf")
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, after_one[k]), k
+    first = meg.train_step(TrainBatch(trajs, adv))
+    meg.load_checkpoint(tmp_path / "ckpt")
+    again = meg.train_step(TrainBatch(trajs, adv))
+    assert again["loss"] == first["loss"] and again["grad_norm"] == first["grad_norm"]
+
+
+def test_pipeline_parallel_training_is_refused_clearly():
+    model, tok = build_tiny("tiny-qwen3", seed=0)
+    with pytest.raises(UserError, match="pipeline_parallel"):
+        MegatronTrainer(model, tok, TrainConfig(), AlgoConfig(), megatron=MegatronConfig(pipeline_parallel=2))

@@ -1,0 +1,341 @@
+"""The Megatron-core trainer backend: same contract and the same losses as the FSDP2 trainer.
+
+The policy arrives as an HF model (what ``load_policy`` builds); its weights are converted once into
+this rank's shard of a Megatron GPTModel (bridge.py, sharding.py). A step lays the batch out with the
+FSDP2 trainer's micro-batch code, computes logprobs with Megatron's vocab-parallel cross entropy, and
+applies ``compute_loss`` from miles_agent.algorithms -- so an algorithm never knows the backend.
+Weights leave in the engine's HF names (``named_weights``), so every weight-sync transport works.
+
+Parallelism: tensor, expert and data parallel; pipeline parallel is refused for training here (the
+sharding plan and conversion support it; the pipeline schedule is not wired yet).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles_agent.algorithms.losses import compute_loss, loss_options, validate_options
+from miles_agent.atomic import replace_dir
+from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
+from miles_agent.errors import UserError, require
+from miles_agent.trainer import TrainBatch
+from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
+from miles_agent.trainers.lr_schedule import lr_at
+from miles_agent.trainers.megatron import bridge
+from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded_vocab
+from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
+from miles_agent.types import Trajectory
+
+
+def _init_process_group(device: torch.device) -> bool:
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        dist.init_process_group(backend=backend)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+class MegatronTrainer:
+    """Algorithm-blind policy trainer on Megatron-core (see ``miles_agent.trainer.Trainer``)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, train: TrainConfig, algo: AlgoConfig, *,
+                 temperature: float = 1.0, device: str = "cpu", megatron: MegatronConfig | None = None) -> None:
+        require("megatron.core", "megatron", "the Megatron-core trainer backend")
+        from megatron.core import parallel_state as ps
+
+        validate_options(algo)
+        if algo.kl_coef > 0:
+            raise UserError("algo.kl_coef > 0 needs a reference model, which the Megatron backend does not "
+                            "keep yet; use train.backend=fsdp2 or algo.kl_coef=0")
+        mcfg = megatron or MegatronConfig()
+        self.sizes = ParallelSizes(tensor=mcfg.tensor_parallel, pipeline=mcfg.pipeline_parallel,
+                                   expert=mcfg.expert_parallel, context=mcfg.context_parallel,
+                                   expert_tensor=mcfg.expert_tensor_parallel,
+                                   first_stage_layers=mcfg.first_stage_layers, last_stage_layers=mcfg.last_stage_layers)
+        if self.sizes.pipeline > 1 or self.sizes.context > 1:
+            raise UserError("megatron.pipeline_parallel and megatron.context_parallel > 1 are not wired into "
+                            "the training step yet; use tensor/expert/data parallelism (pipeline=1, context=1)")
+        self.train_cfg, self.algo, self.temperature = train, algo, float(temperature)
+        self.tokenizer, self.device = tokenizer, torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._owns_group = _init_process_group(self.device)
+        self.spec = bridge.arch_spec(model.config)
+        self.sizes.check(self.spec, dist.get_world_size())
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(self.sizes.tensor, self.sizes.pipeline,
+                                         expert_model_parallel_size=self.sizes.expert,
+                                         expert_tensor_parallel_size=self.sizes.expert_tensor)
+        if self.device.type == "cpu":
+            from miles_agent.trainers.megatron import cpu_compat
+
+            cpu_compat.enable()
+        self.hf_config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
+        self.coords = RankCoords(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                 ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.model = build_gpt(self.spec, self.sizes, next(model.parameters()).dtype).to(self.device)
+        full = bridge.hf_to_megatron(bridge.hf_checkpoint_tensors(model), self.spec,
+                                     padded_vocab(self.spec, self.sizes.tensor))
+        local = shard(full, self.spec, self.sizes, self.coords)
+        missing, unexpected = self.model.load_state_dict(local, strict=False)
+        if unexpected or any(not k.endswith("_extra_state") for k in missing):
+            raise RuntimeError(f"converted weights do not fit the Megatron model: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
+        del full, local
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
+                                           eps=train.adam_eps, weight_decay=train.weight_decay)
+        self._loss_opts = loss_options(algo)
+        self.step = 0
+        lr_at(train, 0)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def _logp(self, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
+              ) -> tuple[Tensor, Tensor | None]:
+        """Logprob of each grid target at ``temperature``, vocabulary-parallel across TP ranks; padded
+        vocabulary rows are excluded from the softmax."""
+        from megatron.core import tensor_parallel
+
+        ids = mb.input_ids
+        b, length = ids.shape
+        positions = torch.arange(length, device=ids.device).expand(b, -1)
+        causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=ids.device), 1)[None, None]
+        logits = self.model(ids, positions, causal)[:, mb.offset:-1].float() / self.temperature
+        logits = self._mask_padded_vocab(logits)
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), mb.targets)
+        ent = None
+        if entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = self._vocab_parallel_entropy(logits if entropy_grad else logits.detach())
+        return logp, ent
+
+    def _mask_padded_vocab(self, logits: Tensor) -> Tensor:
+        per_rank = logits.shape[-1]
+        start = self.coords.tensor * per_rank
+        real = self.spec.vocab_size - start
+        if real >= per_rank:
+            return logits
+        return torch.cat([logits[..., :max(real, 0)],
+                          logits.new_full((*logits.shape[:-1], per_rank - max(real, 0)), -math.inf)], dim=-1)
+
+    def _vocab_parallel_entropy(self, logits: Tensor) -> Tensor:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+        m = logits.detach().amax(-1, keepdim=True)
+        if self.sizes.tensor > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        z = logits - m
+        finite = torch.isfinite(z)
+        e = torch.where(finite, z.exp(), torch.zeros((), device=z.device))
+        total = tp_sum(e.sum(-1))
+        lse = total.log()
+        p_z = tp_sum((e * torch.where(finite, z, torch.zeros((), device=z.device))).sum(-1)) / total
+        return lse - p_z
+
+    def _micro_batches(self, trajectories: Sequence[Trajectory], plan: list[list[int]],
+                       advantages: Sequence[Sequence[float]] | None) -> list[MicroBatch]:
+        return [build_micro_batch(trajectories, idx, advantages, self.pad_id).to(self.device) for idx in plan]
+
+    @torch.no_grad()
+    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        lengths = [len(t.tokens) for t in trajectories]
+        plan = pack_micro_batches(range(len(trajectories)), lengths, self.train_cfg.micro_batch_tokens)
+        out: list[list[float]] = [[] for _ in trajectories]
+        self.model.eval()
+        for mb in self._micro_batches(trajectories, plan, None):
+            logp, _ = self._logp(mb)
+            for i, row in zip(mb.indices, mb.rows_to_lists(logp)):
+                out[i] = row
+        return out
+
+    # -- the step -----------------------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step over the whole batch, the loss normalized by the global batch (as FSDP2)."""
+        trajs = batch.trajectories
+        plan = rank_plan([len(t.tokens) for t in trajs], self.train_cfg.micro_batch_tokens,
+                         self.dp_size, self.dp_rank)
+        mbs = self._micro_batches(trajs, plan, batch.advantages)
+        norm = {"num_tokens": float(sum(sum(t.loss_mask) for t in trajs)),
+                "num_seqs": float(sum(1 for t in trajs if any(t.loss_mask)))}
+        olds: list[Tensor | None] = [None] * len(mbs)
+        if not self.algo.use_rollout_logprobs:
+            self.model.eval()
+            with torch.no_grad():
+                olds = [self._logp(mb)[0] for mb in mbs]
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, Tensor] = {}
+        mismatch_max = torch.zeros((), device=self.device)
+        for mb, old in zip(mbs, olds):
+            logp, entropy = self._logp(mb, entropy=True, entropy_grad=self.algo.entropy_coef != 0)
+            loss, metrics = compute_loss(logp, mb.rollout_logp if old is None else old, mb.advantages,
+                                         mb.loss_mask, ref_logp=None, entropy=entropy, **self._loss_opts, **norm)
+            loss.backward()  # each data-parallel rank's loss is its share of the global sum
+            diff = (logp.detach() - mb.rollout_logp).abs() * mb.loss_mask
+            metrics["logprob_mismatch_mean"] = diff.sum() / max(norm["num_tokens"], 1.0)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+            if diff.numel():
+                mismatch_max = torch.maximum(mismatch_max, diff.max())
+        self._sync_grads()
+        grad_norm = self._clip_and_step()
+        return self._reduce_metrics(sums, mismatch_max, grad_norm, norm)
+
+    def _sync_grads(self) -> None:
+        """Sum gradients over data-parallel ranks (expert weights over their expert-data-parallel ranks)."""
+        from megatron.core import parallel_state as ps
+
+        if dist.get_world_size() == 1:
+            return
+        dense = ps.get_data_parallel_group(with_context_parallel=True)
+        experts = ps.get_expert_data_parallel_group()
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            group = experts if ".local_experts." in name else dense
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+
+    def _clip_and_step(self) -> float:
+        """Global grad norm over the model-parallel shards (replicated tensors counted once)."""
+        from megatron.core import parallel_state as ps
+
+        sq = torch.zeros((), device=self.device)
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            shared_over_tp = not getattr(p, "tensor_model_parallel", False)
+            if shared_over_tp and self.coords.tensor != 0:
+                continue
+            if ".local_experts." not in name and self.coords.expert != 0:
+                continue  # dense weights are replicated over expert-parallel ranks
+            sq += p.grad.float().pow(2).sum()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        grad_norm = float(sq.sqrt())
+        max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
+        if math.isfinite(grad_norm):
+            if grad_norm > max_norm:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(max_norm / (grad_norm + 1e-6))
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(self.train_cfg, self.step)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return grad_norm
+
+    def _reduce_metrics(self, sums: dict[str, Tensor], mismatch_max: Tensor, grad_norm: float,
+                        norm: dict[str, float]) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        names = sorted(sums)
+        values: dict[str, float] = {}
+        if names:
+            stacked = torch.stack([torch.as_tensor(sums[k], device=self.device).float() for k in names])
+            if self.dp_size > 1:
+                group = ps.get_data_parallel_group()
+                dist.all_reduce(stacked, group=group)
+                dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX, group=group)
+            values = dict(zip(names, stacked.tolist()))
+        values.update(logprob_mismatch_max=float(mismatch_max), grad_norm=grad_norm,
+                      lr=float(self.optimizer.param_groups[0]["lr"]), tokens=norm["num_tokens"],
+                      seqs=norm["num_seqs"], step=float(self.step),
+                      skipped_step=0.0 if math.isfinite(grad_norm) else 1.0)
+        return values
+
+    # -- weights out --------------------------------------------------------------------------------
+    def _full_hf_state(self) -> dict[str, Tensor]:
+        """Every rank's shard gathered and merged, in HF checkpoint names (a collective)."""
+        local = {k: v.detach().cpu() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        if dist.get_world_size() == 1:
+            states = {self.coords: local}
+        else:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (self.coords, local))
+            states = dict(gathered)
+        return bridge.megatron_to_hf(merge(states, self.spec, self.sizes), self.spec)
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors under the engine's (transformers') parameter names. A collective."""
+        state = bridge.to_transformers_layout(self._full_hf_state(), self.spec)
+        yield from ((k, v.to(self.device)) for k, v in state.items())
+
+    def save_hf(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from miles_agent.models.builder import save_hf as write_hf
+
+        state = bridge.to_transformers_layout(self._full_hf_state(), self.spec)
+        if dist.get_rank() == 0:
+            with torch.device("meta"):
+                shell = AutoModelForCausalLM.from_config(self.hf_config)
+            missing, unexpected = shell.load_state_dict(state, assign=True, strict=False)
+            if unexpected or any("lm_head" not in k for k in missing):
+                raise RuntimeError(f"exported weights do not fit the HF model: {missing[:3]} {unexpected[:3]}")
+            shell.tie_weights()
+            if self.generation_config is not None:
+                shell.generation_config = self.generation_config
+            write_hf(shell, self.tokenizer, path)
+        dist.barrier()
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(self, path: Path) -> None:
+        """Each rank writes its own shard and optimizer state; the folder appears atomically."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        torch.save({"coords": self.coords, "model": self.model.state_dict(),
+                    "optim": self.optimizer.state_dict(), "rng": torch.get_rng_state()}, tmp / f"rank{rank}.pt")
+        if rank == 0:
+            meta = {"step": self.step, "world_size": dist.get_world_size(), "sizes": self.sizes.__dict__}
+            (tmp / "meta.json").write_text(json.dumps(meta))
+        dist.barrier()
+        if rank == 0:
+            replace_dir(tmp, path)
+        dist.barrier()
+
+    def load_checkpoint(self, path: Path) -> None:
+        path = Path(path)
+        meta_file = path / "meta.json"
+        if not meta_file.is_file():
+            raise UserError(f"{path} is not a Megatron trainer checkpoint (no meta.json)")
+        meta = json.loads(meta_file.read_text())
+        if meta["world_size"] != dist.get_world_size() or meta["sizes"] != self.sizes.__dict__:
+            raise UserError(f"checkpoint {path} was written with {meta['world_size']} ranks and sizes "
+                            f"{meta['sizes']}; resume with the same layout (or export with save_hf and restart)")
+        state = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        torch.set_rng_state(state["rng"])
+        self.step = int(meta["step"])
+
+    def close(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        if self._owns_group and dist.is_initialized():
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+            self._owns_group = False
