@@ -52,7 +52,15 @@ def config(mode: str, steps: int, run_dir: str, args: argparse.Namespace):  # no
         "rollout.mode": mode, "rollout.max_staleness": 1, "rollout.partial_rollout": "keep",
         "rollout.prompts_per_step": args.prompts, "rollout.samples_per_prompt": args.samples,
         "env.max_new_tokens_per_turn": 40, "run.steps": steps, "run.progress": False,
-        "run.checkpoint_every": 0, "run.run_dir": run_dir, "run.seed": 0})
+        "run.checkpoint_every": 0, "run.run_dir": run_dir, "run.seed": 0,
+        **dict(_split(o) for o in args.set)})
+
+
+def _split(override: str) -> tuple[str, object]:
+    import yaml
+
+    key, _, value = override.partition("=")
+    return key, yaml.safe_load(value)
 
 
 def run_mode(mode: str, steps: int, args: argparse.Namespace) -> list[dict]:
@@ -92,6 +100,8 @@ def main() -> None:
     p.add_argument("--modes", default="async", help="compared against sync, comma-separated")
     p.add_argument("--sandbox-start", type=float, help="fixed latency in seconds instead of calibrating")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's own choice)")
+    p.add_argument("--set", action="append", default=[], metavar="section.key=value",
+                   help="extra config override for every run, e.g. algo.use_rollout_logprobs=false")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
     if args.torch_threads:
