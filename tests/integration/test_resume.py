@@ -106,6 +106,29 @@ def _log(run_dir) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_a_run_crashing_after_a_checkpoint_resumes_exactly(tmp_path, mode, one_thread, monkeypatch):
+    """The quick in-process version (CI): a crash injected right after the step-1 checkpoint."""
+    overrides = {**SMALL, "algo.entropy_coef": 0.01, "rollout.mode": mode}  # entropy: every step moves weights
+    save = Run.save_checkpoint
+
+    def save_then_crash(run):
+        save(run)
+        raise RuntimeError("injected crash")
+
+    monkeypatch.setattr(Run, "save_checkpoint", save_then_crash)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        train(load_config("tiny-cpu", {**overrides, "run.steps": 4, "run.run_dir": str(tmp_path / "a")}))
+    monkeypatch.setattr(Run, "save_checkpoint", save)
+    resumed = train(load_config("tiny-cpu", {**overrides, "run.steps": 4, "run.run_dir": str(tmp_path / "a")}),
+                    resume=True)
+    uninterrupted = train(load_config("tiny-cpu", {**overrides, "run.steps": 4, "run.run_dir": str(tmp_path / "b")}))
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert [_without_timings(r) for r in resumed] == [_without_timings(r) for r in uninterrupted[1:]]
+    assert all(r["train/grad_norm"] > 0 for r in resumed)
+
+
+@pytest.mark.slow  # three `miles-agent train` processes: about a minute each on 2 shared cores
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
 def test_sigkilled_run_resumes_exactly(tmp_path, mode, one_thread):
     overrides = {**LIVE, "rollout.mode": mode}
     killed, reference = tmp_path / "killed", tmp_path / "reference"
