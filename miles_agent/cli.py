@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--unisolated", action="store_true", help="local backend only: run without bubblewrap")
     s.set_defaults(cmd=[])  # everything after `--` (split off in main, so options stay options)
 
+    add_observability_commands(sub)
+
     w = sub.add_parser("warmstart", help="build (or rebuild) an environment's SFT warm start")
     w.add_argument("--env", required=True)
     w.add_argument("--arch", default="tiny-qwen3")
@@ -73,12 +75,14 @@ def _config(args: argparse.Namespace) -> Any:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from miles_agent.loop import train
-    from miles_agent.progress import Progress
+    from miles_agent.progress import Progress, generated_tokens
 
     cfg = _config(args)
     enabled = cfg.run.progress and not args.no_progress
     records = train(cfg, resume=args.resume,
-                    progress=lambda run: Progress(cfg.run.steps, start=run.step, enabled=enabled))
+                    progress=lambda run: Progress(cfg.run.steps, start=run.step, enabled=enabled,
+                                                  generated_tokens=lambda: generated_tokens(run.engines),
+                                                  concurrency=cfg.rollout.concurrency))
     if records:
         first = [r["reward_mean"] for r in records[:5]]
         last = [r["reward_mean"] for r in records[-5:]]
@@ -158,6 +162,41 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_observability_commands(sub: Any) -> None:
+    r = sub.add_parser("report", help="an HTML page of a run's plots and sample trajectories")
+    r.add_argument("run_dir", help="the run directory (train --run-dir)")
+    r.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    p = sub.add_parser("replay", help="re-run training on a run's rollout dumps (no rollouts)")
+    p.add_argument("run_dir", help="the run directory whose config.json and rollouts/ to use")
+    p.add_argument("--rollouts", help="the dump folder (default RUN_DIR/rollouts)")
+    p.add_argument("--from", dest="first", type=int, help="first dumped step to replay (default: the first)")
+    p.add_argument("--to", dest="last", type=int, help="last step to replay (default: the last consecutive one)")
+    p.add_argument("--out", help="write the replayed step records here as JSONL")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config changes to try, right after RUN_DIR, e.g. train.lr=1e-5")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from miles_agent.report import build_report
+
+    page = build_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"report written to {page} (open it in a browser)")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import json
+
+    from miles_agent.replay import compare_lines, replay
+
+    records = replay(Path(args.run_dir), Path(args.rollouts) if args.rollouts else None, args.first, args.last,
+                     list(args.overrides))
+    for line in compare_lines(records):
+        print(line)
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -177,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_sandbox_exec(args)
         if args.command == "warmstart":
             return cmd_warmstart(args)
+        if args.command in ("report", "replay"):
+            return cmd_report(args) if args.command == "report" else cmd_replay(args)
         return cmd_list(args.command)
     except UserError as e:
         print(f"miles-agent: error: {e}", file=sys.stderr)

@@ -31,6 +31,7 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
 
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
-    from miles_agent.weight_sync import InProcessTransport
+    """The weight transport ``cfg.sync`` names (inprocess, shm, distributed, disk) over these engines."""
+    from miles_agent.weight_sync.factory import build_transport as build
 
-    return InProcessTransport(engines)
+    return build(cfg.sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device)

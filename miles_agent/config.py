@@ -114,6 +114,25 @@ class RunConfig:
     checkpoint_every: int = 0  # 0 = only at the end
     eval_every: int = 0
     progress: bool = True
+    sinks: str = ""  # extra metric sinks besides metrics.jsonl: "tensorboard", "wandb", or both comma-separated
+    wandb_project: str = "miles-agent"
+    dump_rollouts: int = 0  # write every N-th step's trajectories to RUN_DIR/rollouts/ (0 = never)
+    log_samples: int = 2  # trajectories per step kept in RUN_DIR/samples.jsonl for `miles-agent report`
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    # How weights reach the engines: inprocess | shm | distributed | disk (miles_agent/weight_sync/).
+    transport: str = "inprocess"
+    bucket_mb: int = 64  # extra memory a sync needs is about one bucket on each side
+    check: bool = False  # after every sync, compare per-tensor checksums of trainer and engines
+    backend: str = "auto"  # distributed: gloo | nccl | auto (nccl on cuda, else gloo)
+    master_address: str = "127.0.0.1"  # distributed: where the engines meet trainer rank 0
+    master_port: int = 0  # distributed: 0 = a free port
+    disk_dir: str = ""  # disk: "" = <run.run_dir>/weights
+    disk_keep: int = 2  # disk: newest versions kept on disk
+    strip_prefix: str = ""  # trainer-name prefix removed before sending (e.g. "_orig_mod.")
+    add_prefix: str = ""  # prefix added to every engine name
 
 
 @dataclass(frozen=True)
@@ -125,6 +144,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

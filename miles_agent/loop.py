@@ -26,14 +26,17 @@ from typing import Any
 
 from miles_agent import registry
 from miles_agent.config import Config
+from miles_agent.dumps import RolloutRecorder
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import Environment, HarnessLimits
 from miles_agent.errors import UserError
-from miles_agent.metrics import MetricsLog, rollout_metrics, summary_line
+from miles_agent.metrics import rollout_metrics, summary_line
+from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner
 from miles_agent.run_state import capture_rng, latest_checkpoint, restore_rng, write_checkpoint
 from miles_agent.scheduling import RolloutScheduler, TaskSampler
 from miles_agent.scheduling import check_config as check_scheduling
+from miles_agent.sinks import build_sinks
 from miles_agent.types import Status
 
 
@@ -106,7 +109,7 @@ class Run:
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
         self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
                                           seed=cfg.run.seed)
-        self.metrics = MetricsLog(self.run_dir)
+        self.metrics = build_sinks(self.run_dir, cfg.run.sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
         self.step = 0
         self._resync_version: int | None = None
         if resume:
@@ -115,6 +118,8 @@ class Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             self.metrics.path.unlink(missing_ok=True)
+        self.observer = StepObserver(self.runner, self.engines)  # after resume: counters' deltas start here
+        self.recorder = RolloutRecorder(self.run_dir, cfg.run.dump_rollouts, cfg.run.log_samples, self.step)
 
     def _sandbox_factory(self):  # noqa: ANN202
         if not self.env.needs_sandbox:
@@ -128,6 +133,8 @@ class Run:
         from miles_agent.trainer import TrainBatch
 
         cfg, records = self.cfg, []
+        if progress and hasattr(self.trainer, "on_micro_batch"):
+            self.trainer.on_micro_batch = progress.micro_batch_done
         if self._resync_version is not None:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
             self._resync_version = None
@@ -147,17 +154,20 @@ class Run:
                 record.update(rollout_metrics(trajs))
                 record.update(sched_metrics)
                 record["episode_retries"] = float(self.runner.stats.retries)
+                record.update(self.observer.rollout_record(trajs, trainer_version=self.step))
                 if progress:
                     progress.phase("train")
                 adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
                                         normalize_std=cfg.algo.normalize_std)
                 batch = TrainBatch(trainable, per_token(trainable, adv))
+                self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
                 train_metrics = await self._train_step(batch)
                 t2 = time.perf_counter()
                 if progress:
                     progress.phase("sync")
+                weights = progress.track_sync(self.trainer.named_weights()) if progress else self.trainer.named_weights()
                 async with self.scheduler.weight_update():
-                    sync = await self.transport.push(self.trainer.named_weights(), version=self.step + 1)
+                    sync = await self.transport.push(weights, version=self.step + 1)
                 t3 = time.perf_counter()
                 record.update({f"train/{k}": v for k, v in train_metrics.items()})
                 record.update(sync)
@@ -230,6 +240,7 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
                 await engine.shutdown()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
+            run.metrics.close()
             if view is not None:
                 view.close()
 

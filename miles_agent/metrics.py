@@ -63,4 +63,10 @@ def summary_line(r: dict[str, Any]) -> str:
 
     return (f"step {r['step']:>4} | reward {f('reward_mean')} ± {f('reward_std')} | len {f('response_len', '.0f')}"
             f" | loss {f('train/loss', '.4f')} | kl {f('train/kl', '.4f')} | gnorm {f('train/grad_norm', '.3f')}"
-            f" | rollout {f('time/rollout', '.1f')}s train {f('time/train', '.1f')}s sync {f('time/sync', '.2f')}s")
+            f" | rollout {f('time/rollout', '.1f')}s train {f('time/train', '.1f')}s sync {f('time/sync', '.2f')}s"
+            + "".join(f" | {name} {r[key]:.0f}" for key, name in _FAILURES if r.get(key)))
+
+
+# Shown in the summary line only when non-zero in that step.
+_FAILURES = (("failures/failed_episodes", "failed"), ("failures/episode_retries", "retries"),
+             ("failures/engine_failed_steps", "engine errors"))

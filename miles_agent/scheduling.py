@@ -153,7 +153,7 @@ class RolloutScheduler:
             del self.groups[g.position]
         self.consumed += 1
         trajs = [t for g in groups for t in g.trajectories()]
-        metrics = self._batch_metrics(trajs, version)
+        metrics = self._batch_metrics(trajs)
         self.counts = dict.fromkeys(self.counts, 0)
         return trajs, metrics
 
@@ -286,13 +286,10 @@ class RolloutScheduler:
                 return
             await asyncio.wait(jobs)
 
-    def _batch_metrics(self, trajs: list[Trajectory], version: int) -> dict[str, float]:
-        ages = [staleness(t, version) for t in trajs if t.weight_versions]
+    def _batch_metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """This batch's scheduling counters (staleness itself is reported by miles_agent.observe)."""
         mixed = sum(len(set(t.weight_versions)) > 1 for t in trajs)
-        return {**{k: float(v) for k, v in self.counts.items()},
-                "staleness_max": float(max(ages, default=0)),
-                "staleness_mean": sum(ages) / len(ages) if ages else 0.0,
-                "multi_version_samples": float(mixed)}
+        return {**{k: float(v) for k, v in self.counts.items()}, "multi_version_samples": float(mixed)}
 
     # -- checkpoint ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,7 @@ class FSDP2Trainer:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.step = 0
+        self.on_micro_batch: Callable[[int, int], None] | None = None  # (done, total): the live view's hook
         self.ref_model: nn.Module | None = None
         if algo.kl_coef > 0:  # a frozen copy of the initial policy, sharded the same way (not saved)
             self.ref_model = shard(copy.deepcopy(model).requires_grad_(False).eval().to(self.device), self.mesh)
@@ -168,8 +169,10 @@ class FSDP2Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Tensor] = {}
         mismatch_max = torch.zeros((), device=self.device)
-        for mb, old, ref in zip(mbs, olds, refs):
+        for i, (mb, old, ref) in enumerate(zip(mbs, olds, refs)):
             metrics, mb_max = self._micro_step(mb, old, ref, norm)
+            if self.on_micro_batch is not None:
+                self.on_micro_batch(i + 1, len(mbs))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
             mismatch_max = torch.maximum(mismatch_max, mb_max)

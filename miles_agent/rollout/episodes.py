@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 class EpisodeStats:
     retries: int = 0
     failed: int = 0
+    sandbox_errors: int = 0  # attempts lost to a sandbox failure (each one retried or failed)
+    aborts: int = 0  # attempts whose generation the engine aborted
     errors: list[str] = field(default_factory=list)
 
 
@@ -45,6 +47,7 @@ class EpisodeRunner:
                 trajs = await self._attempt(task, policy)
             except SandboxError as e:
                 last_error = f"sandbox: {e}"
+                self.stats.sandbox_errors += 1
             else:
                 if all(t.status is not Status.ABORTED for t in trajs):
                     for t in trajs:
@@ -52,6 +55,7 @@ class EpisodeRunner:
                         t.metadata["attempts"] = attempt + 1
                     return trajs
                 last_error = "generation aborted"
+                self.stats.aborts += 1
             self.stats.retries += 1
             log.info("episode %s attempt %d failed (%s); retrying", task.id, attempt + 1, last_error)
         self.stats.failed += 1

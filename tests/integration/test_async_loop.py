@@ -18,8 +18,8 @@ def test_async_loop_keeps_staleness_bounded_and_resumes_with_episodes_in_flight(
     records = train(load_config("tiny-cpu", {**SMALL, "run.steps": 3, "run.run_dir": str(tmp_path),
                                              "rollout.partial_rollout": "abort"}))
     assert [r["step"] for r in records] == [0, 1, 2]
-    assert all(r["episodes"] == 4 and r["failed"] == 0 and r["staleness_max"] <= 1 for r in records)
-    assert records[0]["staleness_max"] == 0  # the first batch is sampled by the initial weights
+    assert all(r["episodes"] == 4 and r["failed"] == 0 and r["staleness/max"] <= 1 for r in records)
+    assert records[0]["staleness/max"] == 0  # the first batch is sampled by the initial weights
 
     state = json.loads((tmp_path / "checkpoints" / "step_3" / "loop_state.json").read_text())
     groups = state["scheduler"]["groups"]  # launched for the next batches, not trained on yet
@@ -30,5 +30,5 @@ def test_async_loop_keeps_staleness_bounded_and_resumes_with_episodes_in_flight(
                                      "rollout.partial_rollout": "abort"})
     resumed = train(more, resume=True)
     assert [r["step"] for r in resumed] == [3, 4]
-    assert all(r["episodes"] == 4 and r["staleness_max"] <= 1 for r in resumed)
+    assert all(r["episodes"] == 4 and r["staleness/max"] <= 1 for r in resumed)
     assert resumed[0]["weight_version"] == 3  # the engine got the checkpoint's weights first

@@ -146,4 +146,4 @@ def test_sigkilled_run_resumes_exactly(tmp_path, mode, one_thread):
     assert _log(killed) == _log(reference)
     assert all(r["train/grad_norm"] > 0 and r["sampled_tokens"] > 0 for r in resumed)
     if mode == "one_step_off":
-        assert all(r["staleness_max"] == 1.0 for r in uninterrupted[1:])
+        assert all(r["staleness/max"] == 1.0 for r in uninterrupted[1:])

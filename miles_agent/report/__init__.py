@@ -1,0 +1,127 @@
+"""``miles-agent report RUN_DIR``: one static HTML page with PNG plots and sample trajectories.
+
+Reads only files the run wrote (``metrics.jsonl``, ``config.json``, ``samples.jsonl`` or
+``rollouts/``, the exported tokenizer), so it works on a finished run, a running one, or a copy of
+either. Needs matplotlib (``pip install 'miles-agent[report]'``).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from miles_agent.errors import UserError, require
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; max-width: 1400px; color: #222; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 1em; }
+figure { margin: 0; border: 1px solid #ddd; padding: .5em; }
+figure img { width: 100%; height: auto; }
+figcaption { font-size: .85em; color: #555; }
+table { border-collapse: collapse; font-size: .85em; }
+td, th { border: 1px solid #ddd; padding: 2px 8px; text-align: left; }
+section.trajectory { border: 1px solid #ccc; margin: 1em 0; padding: .5em 1em; }
+section.trajectory h3 { font-size: 1em; }
+pre { white-space: pre-wrap; word-break: break-word; font-size: .85em; margin: .2em 0; }
+.turn-label { font-size: .75em; color: #666; margin-top: .5em; }
+.trained { background: #d9f2d9; border-bottom: 2px solid #2e8b2e; }
+.masked { background: #eeeeee; color: #666; }
+.observation.masked { font-style: italic; }
+.legend span { padding: 0 .5em; margin-right: 1em; }
+.error { color: #b00; }
+"""
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.4g}"
+    return html.escape(str(v))
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no metrics.jsonl; point `miles-agent report` at a run directory "
+                        "(the train command's --run-dir)")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"{path} line {n} is not JSON; was the file edited by hand?") from None
+    return records
+
+
+def _summary(run_dir: Path, records: list[dict[str, Any]]) -> str:
+    cfg = {}
+    if (run_dir / "config.json").is_file():
+        cfg = json.loads((run_dir / "config.json").read_text())
+    rows = [("run directory", str(run_dir)), ("steps recorded", str(len(records)))]
+    if cfg:
+        rows += [("environment", cfg["env"]["name"]), ("model", cfg["model"].get("hf_checkpoint") or cfg["model"]["arch"]),
+                 ("batch", f"{cfg['rollout']['prompts_per_step']} prompts × {cfg['rollout']['samples_per_prompt']} samples"),
+                 ("algorithm", f"{cfg['algo']['advantage']} / {cfg['algo']['loss']}, lr {cfg['train']['lr']}")]
+    rewards = [r["reward_mean"] for r in records if isinstance(r.get("reward_mean"), (int, float))]
+    if rewards:
+        rows.append(("reward, first → last step", f"{rewards[0]:.3f} → {rewards[-1]:.3f}"))
+    total = sum(float(r.get("time/step", 0.0)) for r in records)
+    if total:
+        rows.append(("time in steps", f"{total:.1f} s"))
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f"<table>{body}</table>"
+
+
+def _last_step_table(records: list[dict[str, Any]]) -> str:
+    if not records:
+        return "<p>no steps recorded yet</p>"
+    last = records[-1]
+    body = "".join(f"<tr><td>{html.escape(k)}</td><td>{_fmt(v)}</td></tr>" for k, v in last.items())
+    return f"<details><summary>every metric of step {_fmt(last.get('step'))}</summary><table>{body}</table></details>"
+
+
+def build_report(run_dir: Path, out_dir: Path | None = None, max_samples: int = 12) -> Path:
+    """Write ``report.html`` and ``plots/*.png`` into ``out_dir`` (default ``RUN_DIR/report``); returns the page."""
+    require("matplotlib", "report", "miles-agent report")
+    from miles_agent.dumps import read_samples
+    from miles_agent.report.plots import NOT_RECORDED, draw_all
+    from miles_agent.report.trajectories import find_tokenizer, render_samples
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a folder; pass the run directory (the train command's --run-dir)")
+    out_dir = Path(out_dir) if out_dir else run_dir / "report"
+    records = read_records(run_dir)
+    plots = draw_all(records, out_dir / "plots")
+    figures = "".join(
+        f"<figure id='{p.name}'><img src='plots/{p.path.name}' alt='{html.escape(p.title)}'>"
+        f"<figcaption>{html.escape(p.title)}{'' if p.recorded else ': ' + NOT_RECORDED}</figcaption></figure>"
+        for p in plots)
+    decode, tokenizer_source = find_tokenizer(run_dir)
+    samples = read_samples(run_dir)
+    trajs = render_samples(samples, decode, max_samples)
+    traj_html = "".join(trajs) if trajs else (
+        f"<p>{NOT_RECORDED}: no samples.jsonl or rollouts/ (set run.log_samples or run.dump_rollouts)</p>")
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>miles-agent report: {html.escape(run_dir.name)}</title>
+<link rel="icon" href="data:,"><style>{STYLE}</style></head>
+<body>
+<h1>Run report: {html.escape(run_dir.name)}</h1>
+{_summary(run_dir, records)}
+{_last_step_table(records)}
+<h2>Metrics</h2>
+<div class="grid">{figures}</div>
+<h2>Sample trajectories</h2>
+<p class="legend"><span class="trained">sampled by the policy, trained on</span>
+<span class="masked">shown to the policy, loss-masked</span>
+decoded with {html.escape(tokenizer_source)}; most recent steps first.</p>
+{traj_html}
+</body></html>
+"""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "report.html"
+    path.write_text(page, encoding="utf-8")
+    return path
