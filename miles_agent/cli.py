@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles-agent", description="Agentic RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="RL-train a policy on an environment")
+    t = sub.add_parser("train", help="train a policy on an environment (RL, SFT or distillation, by recipe)")
     _common(t)
     t.add_argument("--run-dir", help="where metrics.jsonl, checkpoints and the final model go")
     t.add_argument("--steps", type=int)
@@ -84,9 +84,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                                                   generated_tokens=lambda: generated_tokens(run.engines),
                                                   concurrency=cfg.rollout.concurrency))
     if records:
-        first = [r["reward_mean"] for r in records[:5]]
-        last = [r["reward_mean"] for r in records[-5:]]
-        print(f"done: reward first-5 mean {sum(first) / len(first):.3f} -> last-5 mean {sum(last) / len(last):.3f}; "
+        key, what = ("reward_mean", "reward") if "reward_mean" in records[0] else ("train/loss", "loss")
+        first = [r[key] for r in records[:5]]
+        last = [r[key] for r in records[-5:]]
+        print(f"done: {what} first-5 mean {sum(first) / len(first):.3f} -> last-5 mean {sum(last) / len(last):.3f}; "
               f"metrics in {Path(cfg.run.run_dir) / 'metrics.jsonl'}, model in {Path(cfg.run.run_dir) / 'final'}")
     return 0
 

@@ -14,6 +14,11 @@ from miles_agent.errors import UserError
 
 
 def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    consistency = [name for name, on in (("routing_replay", cfg.algo.routing_replay),
+                                         ("true_on_policy", cfg.algo.true_on_policy)) if on]
+    if consistency and cfg.train.backend != "fsdp2":
+        raise UserError(f"algo.{consistency[0]} is implemented by the fsdp2 trainer only; set "
+                        f"train.backend=fsdp2 or algo.{consistency[0]}=false")
     extra = {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
     return registry.load("trainers", cfg.train.backend)(
         model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device,
@@ -27,7 +32,8 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
                         "use rollout.engine=local (the embedded engine)")
     from miles_agent.rollout.local import LocalEngine
 
-    return [LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device)]
+    return [LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device,
+                        true_on_policy=cfg.algo.true_on_policy)]
 
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:

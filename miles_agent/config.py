@@ -90,6 +90,25 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
     use_rollout_logprobs: bool = True  # rollout logprobs as the old policy (no extra forward)
+    # Rollout/train consistency (trainers/routing_replay.py, miles_agent/true_on_policy.py):
+    routing_replay: bool = False  # R3: MoE trainer forwards route by the engine's recorded expert ids
+    true_on_policy: bool = False  # engine and trainer share batch-invariant kernels: bitwise-equal logprobs
+    # On-policy distillation (miles_agent/distill.py): off while distill_teacher is None.
+    distill_teacher: str | None = None  # the teacher's HF folder, or "builtin" = the env's warm start
+    distill_mode: str = "reward"  # reward: reverse KL in per-token advantages | loss: a loss term
+    distill_coef: float = 1.0  # weight of the reverse-KL signal
+    distill_task_coef: float = 1.0  # weight of the task reward's advantage beside it; 0 = pure distillation
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """What an ``algo.loss: sft`` run trains on (miles_agent/sft.py)."""
+
+    data: str = "demonstrator"  # "demonstrator" (the env's, on `split`) or a .jsonl of Trajectory.to_dict() lines
+    split: str = "sft"  # the env's task split the demonstrator plays
+    tool_rate: float = 1.0  # demonstrator data: how often it calls its tool (arith-tools: 1.0 = the oracle)
+    batch_size: int = 32  # trajectories per optimizer step
+    max_examples: int = 0  # use at most this many trajectories (the first ones); 0 = all
 
 
 @dataclass(frozen=True)
@@ -143,6 +162,7 @@ class Config:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 

@@ -82,12 +82,59 @@ class Completion:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Scores:
+    """What ``score`` returns: the logprob of each input token from ``logprob_start_len`` on.
+
+    ``input_token_logprobs[i]`` is ``log_softmax(logits / temperature)`` of ``input_ids[logprob_start_len + i]``
+    given every token before it -- SGLang's ``meta_info.input_token_logprobs`` of a ``max_new_tokens=0``
+    request, without its leading entry (SGLang's first entry in the window has no logprob of its own).
+    """
+
+    input_token_logprobs: list[float]
+    logprob_start_len: int
+    weight_version: int
+
+    @classmethod
+    def from_sglang(cls, reply: dict[str, Any], logprob_start_len: int) -> Scores:
+        """Parse the reply to :func:`score_request` (entries are ``[logprob, token_id, text]``)."""
+        meta = reply["meta_info"]
+        entries = meta["input_token_logprobs"][1:]
+        return cls([float(e[0]) for e in entries], logprob_start_len, int(meta.get("weight_version") or 0))
+
+
+def check_score_request(input_ids: list[int], logprob_start_len: int, temperature: float) -> None:
+    if not 1 <= logprob_start_len <= len(input_ids):
+        raise ValueError(f"logprob_start_len must be in [1, len(input_ids)={len(input_ids)}] (the first token "
+                         f"has nothing to condition on), got {logprob_start_len}")
+    if not temperature > 0:
+        raise ValueError(f"scoring temperature must be > 0, got {temperature}")
+
+
+def score_request(input_ids: list[int], logprob_start_len: int, temperature: float = 1.0) -> dict[str, Any]:
+    """SGLang ``/generate`` payload scoring ``input_ids[logprob_start_len:]``: no new token, input
+    logprobs from one position earlier (that first entry carries none and is dropped by ``from_sglang``)."""
+    check_score_request(input_ids, logprob_start_len, temperature)
+    return {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": logprob_start_len - 1,
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
+
+
 @runtime_checkable
 class Policy(Protocol):
     """What a harness calls. It never learns which engine stands behind it."""
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
                        return_routed_experts: bool = False) -> Completion: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Teacher-forced logprobs of given tokens (no sampling): what on-policy distillation asks a teacher
+    engine, and what a student engine answers for the other side of the KL. Engines implement it next
+    to `RolloutEngine`; over HTTP it is one SGLang ``/generate`` call (:func:`score_request`)."""
+
+    async def score(self, input_ids: list[int], *, logprob_start_len: int = 1,
+                    temperature: float = 1.0) -> Scores: ...
 
 
 @runtime_checkable

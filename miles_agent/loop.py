@@ -33,6 +33,7 @@ from miles_agent.errors import UserError
 from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner
+from miles_agent.rollout.routing_capture import RoutingCapture
 from miles_agent.run_state import capture_rng, latest_checkpoint, restore_rng, write_checkpoint
 from miles_agent.scheduling import RolloutScheduler, TaskSampler
 from miles_agent.scheduling import check_config as check_scheduling
@@ -88,6 +89,7 @@ class Run:
 
         from miles_agent.algorithms.advantages import get_advantage_fn
         from miles_agent.components import build_engines, build_trainer, build_transport
+        from miles_agent.distill import build_distiller
         from miles_agent.models.loading import load_policy
 
         check_device(cfg.model.device)
@@ -107,8 +109,11 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        # R3: episodes call the engine through a recorder of routed experts, attached to each batch
+        self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
         self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
-                                          seed=cfg.run.seed)
+                                          seed=cfg.run.seed, policy=self.routing)
+        self.distiller = build_distiller(cfg, self.env, self.tokenizer, self.engine)  # None unless a teacher is set
         self.metrics = build_sinks(self.run_dir, cfg.run.sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
         self.step = 0
         self._resync_version: int | None = None
@@ -146,6 +151,8 @@ class Run:
                     progress.phase("rollout", total=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
                 t0 = time.perf_counter()
                 trajs, sched_metrics = await self.scheduler.next_batch(version=self.step)
+                if self.routing is not None:
+                    self.routing.attach(trajs)
                 t1 = time.perf_counter()
                 trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
                 if not trainable:
@@ -160,6 +167,9 @@ class Run:
                 adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
                                         normalize_std=cfg.algo.normalize_std)
                 batch = TrainBatch(trainable, per_token(trainable, adv))
+                if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
+                    batch, distill_metrics = await self.distiller.apply(batch)
+                    record.update(distill_metrics)
                 self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
                 train_metrics = await self._train_step(batch)
                 t2 = time.perf_counter()
@@ -229,6 +239,10 @@ class Run:
 def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
     """Build a run and train it; returns the per-step metric records. ``progress(run)`` makes the live
     view once the run is built (so bad input fails before any bar is drawn)."""
+    if cfg.algo.loss == "sft":  # supervised: a dataset of trajectories instead of rollouts
+        from miles_agent.sft import train_sft
+
+        return train_sft(cfg, resume=resume, progress=progress)
     run = Run(cfg, resume=resume)
     view = progress(run) if progress else None
 
@@ -238,6 +252,8 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
         finally:
             for engine in run.engines:
                 await engine.shutdown()
+            if run.distiller is not None:
+                await run.distiller.shutdown()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
             run.metrics.close()

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_agent.engine import PauseMode, RolloutEngine
+from miles_agent.engine import PauseMode, Policy, RolloutEngine
 from miles_agent.environment import Task
 from miles_agent.errors import UserError
 from miles_agent.rollout.episode_policy import EpisodePolicy, Preempted, StaleEpisode
@@ -118,9 +118,10 @@ class RolloutScheduler:
     """Feeds the driver loop whole groups of trajectories, in the configured mode (module docstring)."""
 
     def __init__(self, runner: EpisodeRunner, sampler: TaskSampler, engine: RolloutEngine,
-                 engines: list[RolloutEngine], cfg: Any, seed: int) -> None:
+                 engines: list[RolloutEngine], cfg: Any, seed: int, policy: Policy | None = None) -> None:
         check_config(cfg)
         self.runner, self.sampler, self.engine, self.engines = runner, sampler, engine, engines
+        self.policy = policy or engine  # what episodes call (the engine, or a wrapper such as R3's recorder)
         self.mode, self.stale, self.max_staleness = cfg.mode, cfg.stale, cfg.max_staleness
         self.pause_mode = PAUSE_MODES[cfg.partial_rollout]
         self.per_batch, self.samples = cfg.prompts_per_step, cfg.samples_per_prompt
@@ -217,8 +218,8 @@ class RolloutScheduler:
         slot = group.slots[i]
         try:
             while not slot.settled:
-                policy = EpisodePolicy(self.engine, (self.seed, group.position, i, slot.runs),
-                                       epoch=lambda: self._epoch, max_staleness=self.max_staleness)
+                policy = EpisodePolicy(self.policy, (self.seed, group.position, i, slot.runs), epoch=lambda: self._epoch,
+                                       version=lambda: self.engine.weight_version, max_staleness=self.max_staleness)
                 try:
                     async with self._sem:
                         slot.result = await self.runner.run(group.task, policy, group.group_id)

@@ -24,13 +24,19 @@ class TrainBatch:
 
     trajectories: list[Trajectory]
     advantages: list[list[float]]
+    # A teacher's logprob per response token: on-policy distillation's loss term (algorithms/distill.py).
+    teacher_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
-        if len(self.trajectories) != len(self.advantages):
-            raise ValueError(f"{len(self.trajectories)} trajectories but {len(self.advantages)} advantage rows")
-        for t, a in zip(self.trajectories, self.advantages):
-            if len(a) != t.response_length:
-                raise ValueError(f"trajectory {t.uid}: {len(a)} advantages for {t.response_length} response tokens")
+        for name in ("advantages", "teacher_logprobs"):
+            rows = getattr(self, name)
+            if rows is None:
+                continue
+            if len(self.trajectories) != len(rows):
+                raise ValueError(f"{len(self.trajectories)} trajectories but {len(rows)} {name} rows")
+            for t, a in zip(self.trajectories, rows):
+                if len(a) != t.response_length:
+                    raise ValueError(f"trajectory {t.uid}: {len(a)} {name} for {t.response_length} response tokens")
 
     @property
     def num_tokens(self) -> int:

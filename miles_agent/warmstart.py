@@ -1,14 +1,14 @@
 """Warm starts: RL needs a policy that is not random, so the project makes its own.
 
 An environment that offers ``demonstrator(tokenizer)`` (a scripted `Policy`) gets a warm start by
-supervised fine-tuning: the demonstrator plays episodes through the real harness (so the SFT data is
-genuine TITO trajectories with loss masks), and the trainer's ``sft`` loss imitates its turns. The
-result is an HF folder, shipped with the environment when it is small, else made once and cached.
+supervised fine-tuning through the one SFT path (miles_agent/sft.py): the demonstrator plays episodes
+through the real harness (so the SFT data is genuine TITO trajectories with loss masks), and the
+trainer's ``sft`` loss imitates its turns. The result is an HF folder, shipped with the environment
+when it is small, else made once and cached.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import os
@@ -21,6 +21,7 @@ from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import Environment, HarnessLimits
 from miles_agent.errors import UserError
+from miles_agent.sft import demonstrations, sft_steps
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,6 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SF
     import torch
 
     from miles_agent.models.builder import build_tiny
-    from miles_agent.trainer import TrainBatch
     from miles_agent.trainers.fsdp2 import FSDP2Trainer
 
     if not hasattr(env, "demonstrator"):
@@ -84,12 +84,12 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SF
     metrics: dict[str, float] = {}
     bar = _bar(total, progress)
     for index, stage in enumerate(stages):
-        demos = _demonstrations(env, tokenizer, stage, seed + index)
-        for _ in range(stage.steps):
-            batch = rng.sample(demos, batch_size)
-            metrics = trainer.train_step(TrainBatch(batch, [[0.0] * t.response_length for t in batch]))
-            bar.set_postfix(stage=index, loss=f"{metrics['loss']:.3f}")
+        def on_step(m: dict[str, float], index: int = index) -> None:
+            bar.set_postfix(stage=index, loss=f"{m['loss']:.3f}")
             bar.update()
+
+        demos = _demonstrations(env, tokenizer, stage, seed + index)
+        metrics = sft_steps(trainer, demos, stage.steps, batch_size, rng, on_step)
     bar.close()
     with torch.no_grad():
         trainer.save_hf(out)
@@ -100,11 +100,9 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SF
 def _demonstrations(env: Environment, tokenizer: Any, stage: SFTStage, seed: int) -> list[Any]:
     """The demonstrator's episodes on the env's "sft" split, played through the real harness (TITO data)."""
     from miles_agent.harnesses.chat_tools import ChatToolsHarness
-    from miles_agent.rollout.episodes import EpisodeRunner, collect
 
     harness = ChatToolsHarness(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
-    policy = env.demonstrator(tokenizer, tool_rate=stage.tool_rate, seed=seed)
-    return asyncio.run(collect(EpisodeRunner(env, harness), env.tasks("sft"), 1, policy, concurrency=256))
+    return demonstrations(env, harness, tokenizer, split="sft", tool_rate=stage.tool_rate, seed=seed)
 
 
 def _bar(total: int, enabled: bool) -> Any:

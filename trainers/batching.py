@@ -68,6 +68,8 @@ class MicroBatch:
     advantages: Tensor  # [B, K]
     rollout_logp: Tensor  # [B, K]
     response_cols: list[tuple[int, int]]  # per row: (first grid column of the response, response length)
+    routed_experts: Tensor | None = None  # [B, L, moe_layers, top_k] replay ids (R3), -1 = not replayed
+    teacher_logp: Tensor | None = None  # [B, K] when the batch carries a teacher's logprobs (distillation)
 
     @property
     def keep(self) -> int:
@@ -76,8 +78,9 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> MicroBatch:
         for name in ("input_ids", "attention_mask", "targets", "loss_mask", "sampled", "advantages",
-                     "rollout_logp"):
-            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+                     "rollout_logp", "teacher_logp", "routed_experts"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device, non_blocking=True))
         return self
 
     def rows_to_lists(self, grid: Tensor) -> list[list[float]]:
@@ -87,7 +90,8 @@ class MicroBatch:
 
 
 def build_micro_batch(trajectories: Sequence[Trajectory], indices: list[int],
-                      advantages: Sequence[Sequence[float]] | None, pad_id: int) -> MicroBatch:
+                      advantages: Sequence[Sequence[float]] | None, pad_id: int,
+                      teacher_logprobs: Sequence[Sequence[float]] | None = None) -> MicroBatch:
     """Lay out ``trajectories[indices]`` on the grid; ``indices == []`` builds a filler row."""
     rows = [trajectories[i] for i in indices]
     if not rows:  # a filler: two pad tokens, nothing trains, every parameter still sees a forward
@@ -121,5 +125,11 @@ def build_micro_batch(trajectories: Sequence[Trajectory], indices: list[int],
             if span.kind is SpanKind.MODEL:
                 sampled[b, c + span.start:c + span.end] = True
     targets = input_ids[:, offset + 1:].clone()
+    teacher = None
+    if teacher_logprobs is not None:  # a filler row gets zeros: its mask is empty
+        teacher = torch.zeros(shape)
+        for b, i in enumerate(indices):
+            c, n = cols[b]
+            teacher[b, c:c + n] = torch.tensor(teacher_logprobs[i], dtype=torch.float)
     return MicroBatch(list(indices), input_ids, attention, offset, targets, sampled=sampled,
-                      response_cols=cols, **grid)
+                      response_cols=cols, teacher_logp=teacher, **grid)

@@ -29,11 +29,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from miles_agent import true_on_policy
+from miles_agent.algorithms.distill import distill_loss
 from miles_agent.algorithms.losses import compute_loss, loss_options, validate_options
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers import checkpoint as ckpt
+from miles_agent.trainers import routing_replay
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
 from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.types import Trajectory
@@ -100,6 +103,13 @@ class FSDP2Trainer:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.step = 0
+        if algo.routing_replay and algo.true_on_policy:
+            raise UserError("algo.routing_replay and algo.true_on_policy are exclusive: true on-policy mode "
+                            "already routes bit for bit like the engine; set algo.routing_replay=false")
+        if algo.routing_replay:  # R3: MoE routers follow the engine's expert ids (hooks idle otherwise)
+            routing_replay.install(model)
+        if algo.true_on_policy:  # the engine's batch-invariant numerics: bitwise-equal logprobs
+            true_on_policy.apply(model)
         self.on_micro_batch: Callable[[int, int], None] | None = None  # (done, total): the live view's hook
         self.ref_model: nn.Module | None = None
         if algo.kl_coef > 0:  # a frozen copy of the initial policy, sharded the same way (not saved)
@@ -115,11 +125,15 @@ class FSDP2Trainer:
               entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprob of each grid target at ``temperature`` (the engine's convention), plus the full
         distribution's entropy when asked (with gradient only when it is part of the loss)."""
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
-                    use_cache=False)
+        with routing_replay.replaying(model, mb.routed_experts):
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
+                        use_cache=False)
         logits = out.logits[:, :-1].float() / self.temperature
         lse = torch.logsumexp(logits, dim=-1)
-        logp = logits.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1) - lse
+        if self.algo.true_on_policy:
+            logp = true_on_policy.log_softmax(logits).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        else:
+            logp = logits.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1) - lse
         ent = None
         if entropy:
             src, lse_e = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
@@ -133,8 +147,15 @@ class FSDP2Trainer:
         return [self._logp(model, mb)[0] for mb in mbs]
 
     def _micro_batches(self, trajectories: Sequence[Trajectory], plan: list[list[int]],
-                       advantages: Sequence[Sequence[float]] | None) -> list[MicroBatch]:
-        return [build_micro_batch(trajectories, idx, advantages, self.pad_id).to(self.device) for idx in plan]
+                       advantages: Sequence[Sequence[float]] | None,
+                       teacher: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
+        mbs = [build_micro_batch(trajectories, idx, advantages, self.pad_id, teacher) for idx in plan]
+        if self.algo.routing_replay:
+            routers = routing_replay.moe_routers(self.model)
+            for mb in mbs:
+                mb.routed_experts = routing_replay.layout(trajectories, mb.indices, mb.input_ids.shape[1],
+                                                          len(routers), routers[0].top_k)
+        return [mb.to(self.device) for mb in mbs]
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         """Current-policy logprob per response position (0.0 where the model did not sample).
@@ -156,7 +177,7 @@ class FSDP2Trainer:
         trajs = batch.trajectories
         plan = rank_plan([len(t.tokens) for t in trajs], self.train_cfg.micro_batch_tokens,
                          self.world_size, self.rank)
-        mbs = self._micro_batches(trajs, plan, batch.advantages)
+        mbs = self._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
         norm = {"num_tokens": float(sum(sum(t.loss_mask) for t in trajs)),
                 "num_seqs": float(sum(1 for t in trajs if any(t.loss_mask)))}
         olds: list[Tensor | None] = [None] * len(mbs)
@@ -184,6 +205,10 @@ class FSDP2Trainer:
         logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=self.algo.entropy_coef != 0)
         loss, metrics = compute_loss(logp, mb.rollout_logp if old is None else old, mb.advantages, mb.loss_mask,
                                      ref_logp=ref, entropy=entropy, **self._loss_opts, **norm)
+        if mb.teacher_logp is not None:  # on-policy distillation in loss mode (algorithms/distill.py)
+            term, extra = distill_loss(logp, mb.teacher_logp, mb.loss_mask, coef=self.algo.distill_coef,
+                                       loss_agg=self.algo.loss_agg, **norm)
+            loss, metrics = loss + term, {**metrics, **extra, "loss": metrics["loss"] + extra["distill_loss"]}
         # FSDP averages gradients over ranks; each rank's loss is its share of the global sum.
         (loss * self.world_size).backward()
         diff = (logp.detach() - mb.rollout_logp).abs() * mb.loss_mask

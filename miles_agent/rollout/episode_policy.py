@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import replace
 
-from miles_agent.engine import Completion, FinishReason, RolloutEngine, SamplingParams
+from miles_agent.engine import Completion, FinishReason, Policy, SamplingParams
 
 
 class EpisodeInterrupted(BaseException):  # noqa: N818 - an event, not an error
@@ -52,11 +52,12 @@ def completion_versions(c: Completion) -> list[int]:
 class EpisodePolicy:
     """`Policy` for one episode attempt (see module docstring)."""
 
-    def __init__(self, engine: RolloutEngine, seed_parts: tuple[int, ...], *, epoch: Callable[[], int],
-                 max_staleness: int | None) -> None:
+    def __init__(self, engine: Policy, seed_parts: tuple[int, ...], *, epoch: Callable[[], int],
+                 version: Callable[[], int], max_staleness: int | None) -> None:
         self.engine = engine
         self.seed_parts = seed_parts
         self.epoch = epoch  # bumped by the scheduler before it aborts requests for a weight update
+        self.version = version  # the engines' current weight version
         self.max_staleness = max_staleness
         self.calls = 0
         self.oldest: int | None = None
@@ -72,7 +73,7 @@ class EpisodePolicy:
             raise Preempted()
         oldest = min(completion_versions(c))
         self.oldest = oldest if self.oldest is None else min(self.oldest, oldest)
-        staleness = int(self.engine.weight_version) - self.oldest
+        staleness = int(self.version()) - self.oldest
         if self.max_staleness is not None and staleness > self.max_staleness:
             raise StaleEpisode(staleness)
         return c

@@ -39,7 +39,14 @@ from typing import Any
 
 import torch
 
-from miles_agent.engine import Completion, FinishReason, PauseMode, SamplingParams
+from miles_agent.engine import (
+    Completion,
+    FinishReason,
+    PauseMode,
+    SamplingParams,
+    Scores,
+    check_score_request,
+)
 from miles_agent.rollout.runner import ModelRunner
 from miles_agent.rollout.sequence import Sequence
 
@@ -59,7 +66,7 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_batch_size: int = 128,
                  device: str | torch.device = "cpu", max_seq_len: int | None = None,
-                 weight_version: int = 0) -> None:
+                 weight_version: int = 0, true_on_policy: bool = False) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -68,7 +75,12 @@ class LocalEngine:
             raise ValueError(f"max_seq_len must be >= 2 (set it or the model's max_position_embeddings), "
                              f"got {max_seq_len}")
         self.device = torch.device(device)
+        if true_on_policy:  # the trainer's batch-invariant numerics: bitwise-equal logprobs
+            from miles_agent import true_on_policy as exact
+
+            exact.apply(model)
         self.runner = ModelRunner(model, self.device, max_seq_len, max_batch_size)
+        self.runner.exact = true_on_policy
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -122,6 +134,28 @@ class LocalEngine:
                 self._resolve()  # no step in flight (e.g. paused): free its slot now
             self._wake.set()  # else the scheduler drops it at the next step boundary
             raise
+
+    async def score(self, input_ids: list[int], *, logprob_start_len: int = 1,
+                    temperature: float = 1.0) -> Scores:
+        """Teacher-forced logprobs of ``input_ids[logprob_start_len:]`` (the `Scorer` contract), one
+        forward between scheduler steps; waits while the engine is paused (weights may be mid-update)."""
+        ids = [int(t) for t in input_ids]
+        check_score_request(ids, logprob_start_len, temperature)
+        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids holds {bad[0]}, outside the vocabulary [0, {self.runner.vocab_size})")
+        if len(ids) > self.max_seq_len:
+            raise ValueError(f"{len(ids)} tokens exceed the context of {self.max_seq_len} tokens (max_seq_len)")
+        self._bind_loop()
+        assert self._lock is not None
+        while True:
+            async with self._lock:
+                if self._stopped:
+                    raise RuntimeError("LocalEngine is shut down; create a new engine")
+                if not self._paused:
+                    logprobs = await asyncio.to_thread(self.runner.score, ids, logprob_start_len, temperature)
+                    return Scores(logprobs, logprob_start_len, self._version)
+            await asyncio.sleep(0.01)  # paused: poll until resume (pauses last one weight sync)
 
     async def pause(self, mode: PauseMode = PauseMode.IN_PLACE) -> None:
         """Stop decoding at the next step boundary; returns once no step is in flight."""
@@ -314,7 +348,7 @@ class LocalEngine:
         if not live:
             return
         tokens, logprobs = sample(logits[live], [seqs[b].sampling for b in live],
-                                  [seqs[b].generator for b in live])
+                                  [seqs[b].generator for b in live], exact=self.runner.exact)
         for b, tok, lp in zip(live, tokens, logprobs):
             seqs[b].append(tok, lp, self._version)
         self.stats["generated_tokens"] += len(live)

@@ -68,6 +68,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.k_cache = self._empty(0, 0)
         self.v_cache = self._empty(0, 0)
+        self.exact = False  # true on-policy mode (miles_agent.true_on_policy), set by the engine
 
     @property
     def is_moe(self) -> bool:
@@ -128,7 +129,12 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.decoder.norm(hidden)).float()
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              q_pos: torch.Tensor) -> torch.Tensor:
+        if self.exact:  # true on-policy: the trainer's batch-invariant kernel (masks by position)
+            from miles_agent import true_on_policy
+
+            return true_on_policy.attention(q, k, v, q_pos, self.scaling)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
                                               enable_gqa=self.num_heads != self.num_kv_heads)
 
@@ -159,7 +165,7 @@ class ModelRunner:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self.k_cache[i, slot_idx, :, :length] = k
             self.v_cache[i, slot_idx, :, :length] = v
-            return self._sdpa(q, k, v, mask)
+            return self._sdpa(q, k, v, mask, positions)
 
         routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
         h = self._forward(ids, positions, attend, routing)
@@ -194,12 +200,29 @@ class ModelRunner:
             else:
                 keys = self.k_cache[i, :, :, :span].index_select(0, slot_idx)
                 values = self.v_cache[i, :, :, :span].index_select(0, slot_idx)
-            return self._sdpa(q, keys, values, mask)
+            return self._sdpa(q, keys, values, mask, pos[:, None])
 
         routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
         h = self._forward(ids, pos[:, None], attend, routing)
         rows = self._routing_rows(routing)
         return self._logits(h[:, 0]), (None if rows is None else rows[:, 0])
+
+    @torch.inference_mode()
+    def score(self, ids: list[int], start: int, temperature: float) -> list[float]:
+        """Logprob of ``ids[start:]`` (``start >= 1``), each given the tokens before it, from one causal
+        forward that never touches the KV cache (so it runs between decode steps without disturbing them)."""
+        length = len(ids)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(length, device=self.device)[None]
+        mask = torch.ones((length, length), dtype=torch.bool, device=self.device).tril()[None, None]
+        h = self._forward(x, positions, lambda i, q, k, v: self._sdpa(q, k, v, mask, positions), None)
+        logits = self._logits(h[0, start - 1:length - 1]) / temperature
+        targets = x[0, start:, None]
+        if self.exact:  # true on-policy: the trainer's log-softmax, bit for bit
+            from miles_agent import true_on_policy
+
+            return true_on_policy.log_softmax(logits).gather(-1, targets).squeeze(-1).tolist()
+        return (logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)).tolist()
 
     @torch.no_grad()
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

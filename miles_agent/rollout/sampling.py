@@ -41,8 +41,8 @@ def _filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return sorted_logits.masked_fill(drop, float("-inf")), order
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           exact: bool = False) -> tuple[list[int], list[float]]:
     """Sample one token per row of ``logits`` ([B, V]); return token ids and their logprobs (see module doc).
 
     Stochastic rows use the exponential race (``argmax p / E`` with ``E ~ Exp(1)``, an exact sample
@@ -53,7 +53,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     dev = logits.device
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
     scaled = logits / temps[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
+    if exact:
+        from miles_agent import true_on_policy
+
+        logp = true_on_policy.log_softmax(scaled)
+    else:
+        logp = torch.log_softmax(scaled, dim=-1)
     tokens = logits.argmax(dim=-1)
     stochastic = [i for i, p in enumerate(params) if p.temperature > 0]
     if stochastic:
