@@ -70,7 +70,10 @@ def _config(args: argparse.Namespace) -> Any:
         value = getattr(args, flag, None)  # argparse namespaces are the one place flags are read by name
         if value is not None:
             extra[key] = value
-    return load_config(args.recipe, list(args.overrides), extra)
+    from miles_agent.rollout.sglang.cli_args import with_server_args
+
+    return with_server_args(load_config(args.recipe, list(args.overrides), extra),
+                            getattr(args, "sglang_server_args", {}))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -205,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["sandbox"] and "--" in argv:
         cut = argv.index("--")
         argv, command_after_dashes = argv[:cut], argv[cut + 1:]
+    from miles_agent.rollout.sglang.cli_args import split_sglang_flags
+
+    argv, sglang_flags = split_sglang_flags(argv) if command_after_dashes is None else (argv, {})
     args = build_parser().parse_args(argv)
+    args.sglang_server_args = sglang_flags  # --sglang-<arg> flags: SGLang server arguments, verbatim
     if command_after_dashes is not None:
         args.cmd = command_after_dashes
     try:

@@ -27,9 +27,13 @@ def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
 
 def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
     """The rollout engines; ``model`` is the engine's own copy of the policy (not the trainer's)."""
+    if cfg.rollout.engine == "sglang":
+        from miles_agent.rollout.sglang import build_sglang_engines
+
+        return build_sglang_engines(cfg, model, tokenizer)
     if cfg.rollout.engine != "local":
         raise UserError(f"rollout.engine {cfg.rollout.engine!r} is not available in this version; "
-                        "use rollout.engine=local (the embedded engine)")
+                        "use rollout.engine=local (the embedded engine) or sglang (SGLang servers)")
     from miles_agent.rollout.local import LocalEngine
 
     return [LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device,

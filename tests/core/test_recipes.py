@@ -42,6 +42,11 @@ def test_parallel_sizes_fit_the_model(name):
                       ).check(spec, world_size=world)
     else:
         assert world >= 1 and cfg.train.backend == "fsdp2"
+    if cfg.rollout.engine == "sglang":
+        tp = cfg.sglang.tp_size
+        assert spec.num_heads % tp == 0, f"{name}: sglang.tp_size={tp} does not divide {spec.num_heads} heads"
+        # colocated layout: the rollout servers cover exactly the training GPUs
+        assert cfg.sglang.num_servers * tp == world, f"{name}: {cfg.sglang.num_servers} x TP {tp} != {world} GPUs"
 
 
 def test_a_layout_that_does_not_fit_is_caught():
