@@ -42,6 +42,11 @@ class RolloutConfig:
     top_k: int = -1
     max_batch_size: int = 128  # concurrent sequences the embedded engine decodes together
     concurrency: int = 128  # episodes in flight at once
+    # Scheduling (miles_agent/scheduling.py): how rollout overlaps training, and what a weight update does.
+    mode: str = "sync"  # sync | one_step_off (next batch generated while training) | async (continuous)
+    max_staleness: int = 1  # a trained sample's oldest span is at most this many weight versions old
+    stale: str = "recycle"  # a sample past max_staleness: recycle (re-run with newer weights) | drop
+    partial_rollout: str = "keep"  # episodes in flight at an async weight update: keep | abort | retract
 
 
 @dataclass(frozen=True)

@@ -93,18 +93,35 @@ class Trajectory:
 
     @property
     def num_turns(self) -> int:
-        return sum(1 for s in self.spans if s.kind is SpanKind.MODEL)
+        return len({s.turn for s in self.spans if s.kind is SpanKind.MODEL})  # a turn may span versions
 
     def append_model(self, ids: list[int], logprobs: list[float], weight_version: int,
-                     turn: int, trainable: bool = True) -> None:
-        """Append tokens the engine sampled, with one logprob each."""
+                     turn: int, trainable: bool = True,
+                     version_starts: list[tuple[int, int]] | None = None) -> None:
+        """Append tokens the engine sampled, with one logprob each.
+
+        ``version_starts`` (the engine's ``(version, first output index)`` list, for a request that
+        weights changed under) splits the tokens into one model span per version, so every span names
+        the weights that sampled it.
+        """
         if len(ids) != len(logprobs):
             raise TrajectoryError(f"{len(ids)} sampled tokens but {len(logprobs)} logprobs")
         start = self.response_length
         self.tokens.extend(ids)
         self.loss_mask.extend([1 if trainable else 0] * len(ids))
         self.rollout_logprobs.extend(float(x) for x in logprobs)
-        self.spans.append(Span(SpanKind.MODEL, start, start + len(ids), turn, weight_version))
+        cuts = [(int(v), int(i)) for v, i in version_starts or () if 0 <= i < len(ids)]
+        if len(cuts) < 2:
+            self.spans.append(Span(SpanKind.MODEL, start, start + len(ids), turn, weight_version))
+            return
+        cuts[0] = (cuts[0][0], 0)
+        for (version, lo), (_, hi) in zip(cuts, cuts[1:] + [(0, len(ids))]):
+            self.spans.append(Span(SpanKind.MODEL, start + lo, start + hi, turn, version))
+
+    @property
+    def weight_versions(self) -> list[int]:
+        """The weight version of each model span, in order."""
+        return [s.weight_version for s in self.spans if s.kind is SpanKind.MODEL and s.weight_version is not None]
 
     def append_observation(self, ids: list[int], turn: int) -> None:
         """Append tokens the model did not sample (tool output, template turn markers)."""

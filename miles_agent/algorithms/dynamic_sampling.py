@@ -71,3 +71,37 @@ async def dynamic_sample(rollout: Rollout, num_groups: int, max_rounds: int) -> 
                "dynamic_sampling/fallback": float(fallback),
                "dynamic_sampling/reward_mean_all": sum(rewards) / len(rewards) if rewards else 0.0}
     return out, metrics
+
+
+class InformativeGroupFilter:
+    """Dynamic sampling inside the streaming scheduler (``Scheduler.keep_group``): reject groups that
+    are not informative, so the scheduler rolls out a new task in their place. After
+    ``(max_rounds - 1) * groups_per_step`` rejections in a row the next group is kept whatever its
+    rewards (``forced``), the streaming analogue of :func:`dynamic_sample`'s round limit: a too-easy
+    task set slows a run down but never stalls it."""
+
+    def __init__(self, groups_per_step: int, max_rounds: int) -> None:
+        if groups_per_step < 1 or max_rounds < 1:
+            raise ValueError(f"groups_per_step and max_rounds must be >= 1 (got {groups_per_step}, {max_rounds})")
+        self.max_rejections = (max_rounds - 1) * groups_per_step
+        self._rejected_in_a_row = 0
+        self._step = {"kept": 0, "dropped": 0, "forced": 0}
+
+    def __call__(self, group: list[Trajectory]) -> bool:
+        if is_informative(group):
+            self._rejected_in_a_row = 0
+            self._step["kept"] += 1
+            return True
+        if self._rejected_in_a_row >= self.max_rejections:
+            self._rejected_in_a_row = 0
+            self._step["forced"] += 1
+            return True
+        self._rejected_in_a_row += 1
+        self._step["dropped"] += 1
+        return False
+
+    def step_metrics(self) -> dict[str, float]:
+        """Counts since the last call (one training step's worth of decisions)."""
+        out = {f"dynamic_sampling/{k}_groups": float(v) for k, v in self._step.items()}
+        self._step = dict.fromkeys(self._step, 0)
+        return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from miles_agent.algorithms.dynamic_sampling import dynamic_sample, is_informative
+from miles_agent.algorithms.dynamic_sampling import InformativeGroupFilter, dynamic_sample, is_informative
 from miles_agent.types import Status, Trajectory
 
 
@@ -62,3 +62,13 @@ def test_variance_is_judged_per_episode_and_over_scored_members() -> None:
     g = group("a", [1, 0])
     g[1].status, g[1].reward = Status.FAILED, None  # a failed episode does not count
     assert not is_informative(g)
+
+
+def test_streaming_filter_rejects_flat_groups_and_forces_one_after_its_budget() -> None:
+    keep = InformativeGroupFilter(groups_per_step=2, max_rounds=2)  # at most 2 rejections in a row
+    decisions = [keep(group(f"g{i}", r)) for i, r in
+                 enumerate([[1, 0], [1, 1], [0, 0], [0, 0], [1, 1], [0, 1]])]
+    assert decisions == [True, False, False, True, False, True]
+    assert keep.step_metrics() == {"dynamic_sampling/kept_groups": 2.0, "dynamic_sampling/dropped_groups": 3.0,
+                                   "dynamic_sampling/forced_groups": 1.0}
+    assert keep.step_metrics()["dynamic_sampling/kept_groups"] == 0.0  # counts restart each step

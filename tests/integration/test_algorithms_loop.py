@@ -22,7 +22,8 @@ def test_ppo_with_critic_mini_batches_and_dynamic_sampling(tmp_path):
         for k in ("train/loss", "train/pg_loss", "critic/value_loss", "critic/value_grad_norm", "train/grad_norm"):
             assert math.isfinite(r[k]), (k, r[k])
         assert r["train/optimizer_steps"] == 2 and r["train/mini_batches"] == 2
-        assert r["dynamic_sampling/kept_groups"] <= 2 and r["dynamic_sampling/rounds"] >= 1
+        # every group trained on was informative, or forced in after the rejection budget ran out
+        assert r["dynamic_sampling/kept_groups"] + r["dynamic_sampling/forced_groups"] >= 1
         assert r["train/logprob_mismatch_mean"] < 1e-3  # measured on the first, pre-update mini-batch
     assert max(r["train/clipfrac"] for r in records) > 0  # the second optimizer step sees a moved policy
     assert (tmp_path / "checkpoints" / "step_2" / "critic").is_dir()  # the critic is checkpointed too
