@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         k.add_argument("action", choices=["list"])
 
     s = sub.add_parser("sandbox", help="run a command in a sandbox by hand (miles-agent sandbox exec -- CMD)")
-    s.add_argument("action", choices=["exec"])
+    s.add_argument("action", choices=["exec", "reap"], help="exec: run a command; reap: remove expired sandboxes")
     s.add_argument("--backend", default="local", help="sandbox backend (see `miles-agent sandboxes list`)")
     s.add_argument("--timeout", type=float, default=30.0, help="wall-time limit in seconds")
     s.add_argument("--unisolated", action="store_true", help="local backend only: run without bubblewrap")
@@ -121,6 +121,22 @@ def cmd_list(kind: str) -> int:
             print(f"{p.name:<{width}}  [{p.package}]  BROKEN: {p.error}")
         else:
             print(f"{p.name:<{width}}  [{p.package}]  {p.description}")
+    return 0
+
+
+def cmd_sandbox_reap(args: argparse.Namespace) -> int:
+    """Remove this project's sandboxes whose TTL has passed (backends with a ``reap`` method, e.g. docker)."""
+    from miles_agent.registry import load
+    from miles_agent.sandbox import SandboxError
+
+    cls = load("sandboxes", args.backend)
+    if not hasattr(cls, "reap"):
+        raise UserError(f"sandbox backend {args.backend!r} has no reaper (its service enforces the TTL itself)")
+    try:
+        removed = cls.reap()
+    except SandboxError as e:
+        raise UserError(str(e)) from None
+    print(f"removed {len(removed)} expired sandbox(es)" + "".join(f"\n  {r}" for r in removed))
     return 0
 
 
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return cmd_eval(args)
         if args.command == "sandbox":
-            return cmd_sandbox_exec(args)
+            return cmd_sandbox_reap(args) if args.action == "reap" else cmd_sandbox_exec(args)
         if args.command == "warmstart":
             return cmd_warmstart(args)
         if args.command in ("report", "replay"):

@@ -13,12 +13,12 @@ from miles_agent.rollout.episodes import EpisodeRunner, collect
 
 async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limit: int | None = None
                    ) -> dict[str, float]:
-    from miles_agent import registry
-
     env = build_env(cfg)
     tasks = env.tasks(split)[:limit] if limit else env.tasks(split)
     engine: Any = None
-    make_sandbox = registry.load("sandboxes", cfg.env.sandbox) if env.needs_sandbox else None
+    from miles_agent.sandboxes import sandbox_factory
+
+    make_sandbox = sandbox_factory(cfg.env.sandbox, cfg.env.sandbox_options) if env.needs_sandbox else None
     if policy == "oracle" and hasattr(env, "oracle_solve"):
         runner = EpisodeRunner(env, harness=None, make_sandbox=make_sandbox)  # type: ignore[arg-type]
         return await _solve_with_oracle(runner, tasks, cfg.rollout.concurrency)

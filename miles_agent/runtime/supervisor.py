@@ -65,6 +65,7 @@ class EngineSupervisor:
         for s in self._slots:
             s.ready = True
         self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._monitor: asyncio.Task | None = None
         self._closed = False
@@ -176,6 +177,7 @@ class EngineSupervisor:
     def _bind(self) -> None:
         if self._lock is None:
             self._lock = asyncio.Lock()
+            self._loop = asyncio.get_running_loop()
         if self._monitor is None and self.interval > 0:
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
@@ -205,7 +207,11 @@ class EngineSupervisor:
         if slot.actor is not actor or not slot.ready or self._closed:
             return
         slot.ready = False
-        task = asyncio.get_running_loop().create_task(self._restart(slot, actor, reason))
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._spawn_restart, slot, actor, reason)  # callers may be in a thread
+
+    def _spawn_restart(self, slot: _Slot, actor: Any, reason: str) -> None:
+        task = self._loop.create_task(self._restart(slot, actor, reason))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

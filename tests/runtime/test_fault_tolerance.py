@@ -32,16 +32,16 @@ class Chaos:
         self.ray, self.run, self.left, self.per_step = ray, run, kills, per_step
         self.rng = random.Random(seed)
         self.killed: list[int] = []
-        rollout = run.rollout
+        next_batch = run.scheduler.next_batch
 
-        async def rollout_under_fire(progress=None):
+        async def rollout_under_fire(*args, **kwargs):
             attack = asyncio.ensure_future(self._attack())
             try:
-                return await rollout(progress)
+                return await next_batch(*args, **kwargs)
             finally:
                 attack.cancel()
 
-        run.rollout = rollout_under_fire
+        run.scheduler.next_batch = rollout_under_fire
 
     async def _attack(self) -> None:
         for _ in range(min(self.per_step, self.left)):

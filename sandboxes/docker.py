@@ -1,0 +1,199 @@
+"""The Docker sandbox: one container per episode, through the Docker Engine API (the ``docker`` SDK).
+
+The container runs ``sleep <ttl>`` as its main process with ``AutoRemove``: if we never stop it (the trainer
+was SIGKILLed) it exits and is removed by the engine when the TTL runs out. It also carries the labels
+``miles-agent.sandbox=1`` and ``miles-agent.expires-at=<unix time>``, so `reap` (``miles-agent sandbox reap
+--backend docker``) removes expired ones even on an engine that lost the auto-remove (a daemon restart).
+
+Limits map to HostConfig: memory (``Memory``), processes (``PidsLimit``), CPU (``NanoCpus``, from the
+``cpus`` option), no network unless ``network=True``. Each `exec` runs ``timeout -s KILL <t> bash -c CMD``
+(the image needs bash and coreutils' timeout), so a timed-out command's process group is killed inside the
+container and the result says ``timed_out``. Files go through the archive endpoints (tar).
+
+Connection: ``base_url`` (default: $DOCKER_HOST or the local socket, as the docker CLI).
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import tarfile
+import time
+import uuid
+from typing import Any
+
+from miles_agent.errors import require
+from miles_agent.sandbox import ExecResult, SandboxError, SandboxSpec
+
+from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox
+
+LABEL = "miles-agent.sandbox"
+EXPIRES_LABEL = "miles-agent.expires-at"
+DEFAULT_IMAGE = "python:3.12-slim"
+
+
+def _docker():  # noqa: ANN202 - the module
+    return require("docker", "docker", "the docker sandbox")
+
+
+def connect(base_url: str | None = None, timeout_s: float = 60.0):  # noqa: ANN201 - docker.APIClient
+    docker = _docker()
+    try:
+        if base_url:
+            return docker.APIClient(base_url=base_url, version="auto", timeout=timeout_s)
+        return docker.from_env(timeout=timeout_s).api
+    except docker.errors.DockerException as e:
+        raise SandboxError(f"docker sandbox: cannot reach the Docker engine ({e}); start Docker or set "
+                           "DOCKER_HOST (or the sandbox's base_url) to a reachable engine") from e
+
+
+class DockerSandbox(RemoteSandbox):
+    """One container per episode with memory/pids/CPU limits, no network, a TTL and a reaper label."""
+
+    name = "docker"
+    description = "a Docker container per episode (Docker Engine API): limits, no network, TTL auto-removal"
+    auth_hint = "check DOCKER_HOST and that this user may use the Docker engine (the docker group)"
+
+    def __init__(self, *, base_url: str | None = None, image: str = DEFAULT_IMAGE, network: bool = False,
+                 cpus: float | None = None, api_timeout_s: float = 60.0, **kwargs: Any) -> None:
+        """``image``: used when the task names none. ``network``: allow the container network (default
+        off). ``cpus``: CPU quota (NanoCpus). Other keywords: see RemoteSandbox (ttl_s, retry)."""
+        super().__init__(**kwargs)
+        self.base_url = base_url
+        self.default_image = image
+        self.network = network
+        self.cpus = cpus
+        self.api_timeout_s = api_timeout_s
+        self.api: Any = None
+
+    def _classify(self, exc: BaseException) -> tuple[str | None, float | None]:
+        kind, after = super()._classify(exc)
+        if kind:
+            return kind, after
+        docker = _docker()
+        import requests
+
+        if isinstance(exc, (requests.ConnectionError, requests.Timeout)):
+            return "transient", None
+        if isinstance(exc, docker.errors.APIError) and exc.response is not None:
+            code = exc.response.status_code
+            after = exc.response.headers.get("Retry-After")
+            if code == 429:
+                return "rate_limit", float(after) if after and after.isdigit() else None
+            if code in (401, 403):
+                return "auth", None
+            if code in (500, 502, 503, 504) and "toomanyrequests" in str(exc).lower():
+                return "rate_limit", None  # a registry pull rate limit, reported by the engine as a 500
+            if code in (502, 503, 504):
+                return "transient", None
+        return None, None
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def _create(self, spec: SandboxSpec) -> None:
+        self.api = connect(self.base_url, self.api_timeout_s)
+        image = spec.image or self.default_image
+        limits = spec.limits
+        host_config = self.api.create_host_config(
+            auto_remove=True, mem_limit=limits.memory_bytes, pids_limit=limits.max_processes,
+            nano_cpus=int(self.cpus * 1e9) if self.cpus else None,
+            network_mode=None if self.network else "none")
+        expires = int(time.time() + self.ttl_s)
+
+        def create() -> dict:
+            return self.api.create_container(
+                image, command=["sleep", str(int(self.ttl_s))], name=f"miles-agent-{uuid.uuid4().hex[:12]}",
+                working_dir=WORKDIR, environment=dict(spec.env), host_config=host_config,
+                labels={LABEL: "1", EXPIRES_LABEL: str(expires)}, network_disabled=not self.network)
+
+        docker = _docker()
+        try:
+            created = self.call("create container", create)
+        except SandboxError as e:
+            if not isinstance(e.__cause__, docker.errors.ImageNotFound):
+                raise
+            self.call(f"pull {image}", self._pull, image)
+            created = self.call("create container", create)
+        self.handle = created["Id"]
+        self.call("start container", self.api.start, self.handle)
+        self.call("make workspace", self._mkdir, WORKDIR)
+
+    def _pull(self, image: str) -> None:
+        repo, _, tag = image.partition(":") if "@" not in image else (image, "", "")
+        for event in self.api.pull(repo, tag=tag or "latest", stream=True, decode=True):
+            if "error" in event:
+                raise _docker().errors.APIError(f"pull {image}: {event['error']}")
+
+    def _mkdir(self, path: str) -> None:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(path.strip("/"))
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        self.api.put_archive(self.handle, "/", buf.getvalue())
+
+    def _exec(self, command: str, timeout_s: float, cwd: str, env: dict[str, str]) -> ExecResult:
+        argv = ["timeout", "-s", "KILL", f"{max(timeout_s, 0.001):.3f}", "bash", "-c", command]
+        started = time.monotonic()
+        exec_id = self.call("exec create", self.api.exec_create, self.handle, argv,
+                            environment=env or None, workdir=cwd)["Id"]
+        out, err = self.api.exec_start(exec_id, demux=True)  # not retried: the command has run
+        code = self.call("exec inspect", self.api.exec_inspect, exec_id)["ExitCode"]
+        duration = time.monotonic() - started
+        timed_out = code == TIMEOUT_EXIT_CODE and duration >= timeout_s * 0.95
+        return ExecResult(exit_code=code if code is not None else -1, stdout=(out or b"").decode(errors="replace"),
+                          stderr=(err or b"").decode(errors="replace"), duration_s=duration, timed_out=timed_out,
+                          limit_hit="wall_time" if timed_out else None)
+
+    def _read(self, path: str) -> bytes:
+        docker = _docker()
+        try:
+            stream, _stat = self.api.get_archive(self.handle, path)
+        except docker.errors.NotFound as e:
+            raise SandboxError(f"docker sandbox: {path} does not exist in the container") from e
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream)), mode="r") as tar:
+            member = tar.next()
+            if member is None or not member.isfile():
+                raise SandboxError(f"docker sandbox: {path} is not a regular file")
+            return tar.extractfile(member).read()
+
+    def _write(self, path: str, content: bytes) -> None:
+        parent, name = posixpath.split(path)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            # Parent folders as tar entries: put_archive needs its target folder to exist.
+            parts = [p for p in parent.strip("/").split("/") if p]
+            for i in range(len(parts)):
+                info = tarfile.TarInfo("/".join(parts[: i + 1]))
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            info = tarfile.TarInfo(posixpath.join(*parts, name) if parts else name)
+            info.size, info.mode, info.mtime = len(content), 0o644, int(time.time())
+            tar.addfile(info, io.BytesIO(content))
+        self.api.put_archive(self.handle, "/", buf.getvalue())
+
+    @staticmethod
+    def reap(base_url: str | None = None, now: float | None = None) -> list[str]:
+        """Remove every container carrying our label whose expiry has passed; returns their ids."""
+        api = connect(base_url)
+        now = time.time() if now is None else now
+        removed = []
+        for c in api.containers(all=True, filters={"label": LABEL}):
+            try:
+                expires = float((c.get("Labels") or {}).get(EXPIRES_LABEL, "inf"))
+            except ValueError:
+                continue
+            if expires <= now:
+                try:
+                    api.remove_container(c["Id"], force=True)
+                except _docker().errors.NotFound:
+                    continue
+                removed.append(c["Id"])
+        return removed
+
+    def _destroy(self, handle: Any) -> None:
+        api = self.api or connect(self.base_url, self.api_timeout_s)
+        try:
+            api.remove_container(handle, force=True)
+        except _docker().errors.NotFound:
+            pass  # gone already (auto-removed after its TTL, or a second stop)
