@@ -44,3 +44,20 @@ def test_hud_tiny_model_episode_is_tito_and_graded_by_hud(tokenizer):
     assert traj.status in (Status.COMPLETED, Status.TRUNCATED), traj.metadata
     (text,) = model_texts(traj, tok)
     assert traj.reward == pytest.approx(letter_score("apple", text))
+
+
+def test_hud_tool_template_calls_the_env_mcp_tool_through_the_agent(tokenizer, scripted):
+    from miles_agent.envs.external.adapters import ADAPTERS
+
+    env = HudEnv(env_file=str(ADAPTERS / "examples" / "hud_tools" / "env.py"), max_steps=3, max_tokens=128,
+                 tasks=[{"template": "count", "args": {"word": "banana", "letter": "a"}}])
+    call = '<tool_call>{"name": "count_letter", "arguments": {"word": "banana", "letter": "a"}}</tool_call>'
+    policy = scripted([call, "3"])
+    (traj,) = play(env, tokenizer, policy, max_new_tokens=128)
+    assert traj.status is Status.COMPLETED, traj.metadata
+    traj.validate()
+    assert model_texts(traj, tokenizer) == [call, "3"]
+    assert traj.reward == 1.0 and traj.reward_parts == {"steps": 2.0}
+    n = len(traj.prompt_ids)
+    observation = tokenizer.decode([t for t, m in zip(traj.tokens[n:], traj.loss_mask, strict=True) if not m])
+    assert "<tool_response>3</tool_response>" in observation  # the MCP tool's answer, back as a tool message
