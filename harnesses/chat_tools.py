@@ -74,7 +74,8 @@ class ChatToolsHarness(Harness):
             c = await policy.generate(list(traj.tokens), sampling)
             if c.finish_reason is FinishReason.ABORT:
                 return self._aborted(branches, c, turn)
-            traj.append_model(c.output_ids, c.output_logprobs, c.weight_version, turn)
+            traj.append_model(c.output_ids, c.output_logprobs, c.weight_version, turn,
+                              version_starts=c.meta.get("weight_versions"))
             stop_text, text = self._split_stop(c)
             messages.append({"role": "assistant", "content": text})
             if c.finish_reason is FinishReason.LENGTH:

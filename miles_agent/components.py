@@ -25,6 +25,19 @@ def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
         **extra)
 
 
+def build_critic(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    """The value model's trainer when the estimator needs one (``algo.advantage=gae``), else None.
+    Call it before ``build_trainer``: it copies the policy's backbone before the trainer shards it."""
+    from miles_agent.algorithms.estimators import needs_critic
+
+    if not needs_critic(cfg.algo):
+        return None
+    from miles_agent.trainers.critic import CriticTrainer, ValueModel
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return CriticTrainer(ValueModel(model), cfg.train, cfg.algo, pad_id=pad, device=cfg.model.device)
+
+
 def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
     """The rollout engines; ``model`` is the engine's own copy of the policy (not the trainer's)."""
     if cfg.rollout.engine == "sglang":

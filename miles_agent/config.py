@@ -42,6 +42,11 @@ class RolloutConfig:
     top_k: int = -1
     max_batch_size: int = 128  # concurrent sequences the embedded engine decodes together
     concurrency: int = 128  # episodes in flight at once
+    # Scheduling (miles_agent/scheduling.py): how rollout overlaps training, and what a weight update does.
+    mode: str = "sync"  # sync | one_step_off (next batch generated while training) | async (continuous)
+    max_staleness: int = 1  # a trained sample's oldest span is at most this many weight versions old
+    stale: str = "recycle"  # a sample past max_staleness: recycle (re-run with newer weights) | drop
+    partial_rollout: str = "keep"  # episodes in flight at an async weight update: keep | abort | retract
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     micro_batch_tokens: int = 8192  # micro-batches are packed by token count up to this
+    mini_batches: int = 1  # optimizer steps per rollout batch, each on a 1/n share of its sequences
+    ppo_epochs: int = 1  # passes over the rollout batch; old logprobs are computed once before the first
     world_size: int = 1  # FSDP2 ranks; 1 runs in-process
 
 
@@ -75,16 +82,29 @@ class MegatronConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    advantage: str = "grpo"
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae
     normalize_std: bool = True  # False = Dr.GRPO
-    loss: str = "ppo_clip"
+    gamma: float = 1.0  # per-token discount (reinforce_pp*, gae)
+    gae_lambda: float = 0.95
+    loss: str = "ppo_clip"  # ppo_clip | gspo | sft
     clip_eps: float = 0.2
     clip_eps_high: float | None = None  # clip-higher; None = clip_eps
-    kl_coef: float = 0.0  # KL to the reference model as a loss term; 0 = no reference model
-    kl_estimator: str = "k3"
+    dual_clip_c: float | None = None  # dual clip on negative advantages (> 1); None = off
+    kl_coef: float = 0.0  # KL to the reference model as a loss term
+    kl_reward_coef: float = 0.0  # KL to the reference folded into per-token rewards (token-level estimators)
+    kl_estimator: str = "k3"  # k1 | k2 | k3, for both KL uses
     entropy_coef: float = 0.0
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean | group_mean_token_mean
     use_rollout_logprobs: bool = True  # rollout logprobs as the old policy (no extra forward)
+    critic_lr: float = 1e-4  # the value model's learning rate (gae)
+    value_clip: float = 0.2  # clipped value loss range around the old values; <= 0 = unclipped
+    mismatch_correction: str = "none"  # none | tis | mis | icepop (rollout/training logprob mismatch)
+    mismatch_level: str = "token"  # token | sequence | geometric (tis and mis)
+    mismatch_low: float = 0.5  # trust range [low, high] of pi_train / pi_rollout
+    mismatch_high: float = 2.0
+    mismatch_veto: float = 0.0  # drop a sequence if any token's ratio is below this; 0 = off
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, roll out more to refill the batch
+    dynamic_sampling_max_rounds: int = 4  # rollout rounds per step at most (the first included)
     # Rollout/train consistency (trainers/routing_replay.py, miles_agent/true_on_policy.py):
     routing_replay: bool = False  # R3: MoE trainer forwards route by the engine's recorded expert ids
     true_on_policy: bool = False  # engine and trainer share batch-invariant kernels: bitwise-equal logprobs

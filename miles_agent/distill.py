@@ -16,6 +16,7 @@ teacher at temperature 1 (its own distribution).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,9 @@ class Distiller:
                    "time/distill_scoring": time.perf_counter() - start}
         if self.mode == "reward":
             adv = alg.fold_into_advantages(batch.advantages, kl, coef=self.coef, task_coef=self.task_coef)
-            return TrainBatch(trajs, adv), metrics
+            return dataclasses.replace(batch, advantages=adv), metrics  # keeps the driver's old/ref logprobs
         task = [[self.task_coef * a for a in row] for row in batch.advantages]
-        return TrainBatch(trajs, task, teacher_logprobs=teacher), metrics
+        return dataclasses.replace(batch, advantages=task, teacher_logprobs=teacher), metrics
 
     async def shutdown(self) -> None:
         if hasattr(self.teacher, "shutdown"):

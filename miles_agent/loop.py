@@ -1,12 +1,16 @@
 """The driver loop: generate, train, sync weights -- read it top to bottom.
 
     for each step:
-        episodes = harness(task, env, sandbox, engine)   # TITO trajectories, weight version per span
+        batch = scheduler.next_batch()                    # whole groups of TITO trajectories, version per span
         advantages = estimator(rewards, groups)           # per token
-        trainer.train_step(trajectories, advantages)
-        transport.push(trainer weights -> engine, version = step + 1)
+        trainer.train_step(trajectories, advantages)      # in a thread: async modes keep generating meanwhile
+        with scheduler.weight_update():                   # one-step-off: batch in flight ends; async: pause
+            transport.push(trainer weights -> engine, version = step + 1)
+        checkpoint every N steps                          # trainer + scheduler buffer + RNG, atomically
 
-Everything here runs on the embedded defaults in one process; the same loop drives Ray actors later.
+How episodes overlap training (sync | one_step_off | async, staleness, partial rollouts) lives in
+miles_agent/scheduling.py. Everything here runs on the embedded defaults in one process; the same loop
+drives Ray actors later.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,35 +28,17 @@ from miles_agent import registry
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
 from miles_agent.engine import SamplingParams
-from miles_agent.environment import Environment, HarnessLimits, Task
+from miles_agent.environment import Environment, HarnessLimits
 from miles_agent.errors import UserError
 from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
-from miles_agent.rollout.episodes import EpisodeRunner, collect
+from miles_agent.rollout.episodes import EpisodeRunner
 from miles_agent.rollout.routing_capture import RoutingCapture
+from miles_agent.run_state import capture_rng, latest_checkpoint, restore_rng, write_checkpoint
+from miles_agent.scheduling import RolloutScheduler, TaskSampler
+from miles_agent.scheduling import check_config as check_scheduling
 from miles_agent.sinks import build_sinks
-from miles_agent.types import Status, Trajectory
-
-
-@dataclass
-class TaskSampler:
-    """Deterministic, resumable task order: a fresh seeded shuffle each epoch."""
-
-    tasks: list[Task]
-    seed: int
-    position: int = 0
-    _order: list[int] = field(default_factory=list, repr=False)
-
-    def take(self, n: int) -> list[Task]:
-        out = []
-        for _ in range(n):
-            epoch, i = divmod(self.position, len(self.tasks))
-            if i == 0 or not self._order:
-                self._order = list(range(len(self.tasks)))
-                random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
-            out.append(self.tasks[self._order[i]])
-            self.position += 1
-        return out
+from miles_agent.types import Status
 
 
 def build_env(cfg: Config) -> Environment:
@@ -102,30 +87,44 @@ class Run:
     def __init__(self, cfg: Config, resume: bool = False) -> None:
         import torch
 
-        from miles_agent.algorithms.advantages import get_advantage_fn
-        from miles_agent.components import build_engines, build_trainer, build_transport
+        from miles_agent.algorithms.batch_builder import BatchBuilder
+        from miles_agent.algorithms.estimators import check_estimator
+        from miles_agent.components import build_critic, build_engines, build_trainer, build_transport
         from miles_agent.distill import build_distiller
         from miles_agent.models.loading import load_policy
 
         check_device(cfg.model.device)
+        check_scheduling(cfg.rollout)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
-        self.advantage_fn = get_advantage_fn(cfg.algo.advantage)  # a bad name fails before any work
+        check_estimator(cfg.algo, cfg.rollout.samples_per_prompt)  # a bad name fails before any work
         self.env = build_env(cfg)
         model, self.tokenizer = load_policy(cfg, self.env)
         engine_model = copy.deepcopy(model)  # before the trainer shards its own copy
+        critic = build_critic(cfg, model, self.tokenizer)  # copies the policy before the trainer shards it
         self.trainer = build_trainer(cfg, model, self.tokenizer)
+        self.batches = BatchBuilder(cfg.algo, self.trainer, critic)  # advantages (and the critic's step)
         self.engines = build_engines(cfg, engine_model, self.tokenizer)
         self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
         self.transport = build_transport(cfg, self.trainer, self.engines)
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        # R3: episodes call the engine through a recorder of routed experts, attached to each batch
+        self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
+        self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
+                                          seed=cfg.run.seed, policy=self.routing)
+        self.group_filter = None
+        if cfg.algo.dynamic_sampling:  # DAPO: uninformative groups are replaced by fresh tasks
+            from miles_agent.algorithms.dynamic_sampling import InformativeGroupFilter
+
+            self.group_filter = InformativeGroupFilter(cfg.rollout.prompts_per_step,
+                                                       cfg.algo.dynamic_sampling_max_rounds)
+            self.scheduler.keep_group = self.group_filter
         self.distiller = build_distiller(cfg, self.env, self.tokenizer, self.engine)  # None unless a teacher is set
         self.metrics = build_sinks(self.run_dir, cfg.run.sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
-        self.observer = StepObserver(self.runner, self.engines)
         self.step = 0
         self._resync_version: int | None = None
         if resume:
@@ -134,6 +133,7 @@ class Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             self.metrics.path.unlink(missing_ok=True)
+        self.observer = StepObserver(self.runner, self.engines)  # after resume: counters' deltas start here
         self.recorder = RolloutRecorder(self.run_dir, cfg.run.dump_rollouts, cfg.run.log_samples, self.step)
 
     def _sandbox_factory(self):  # noqa: ANN202
@@ -144,102 +144,112 @@ class Run:
         return sandbox_factory(self.cfg.env.sandbox, self.cfg.env.sandbox_options)
 
     async def train(self, progress: Any = None) -> list[dict[str, Any]]:
-        from miles_agent.algorithms.advantages import per_token
-        from miles_agent.trainer import TrainBatch
-
+        """rollout (scheduler) -> advantages -> train step -> weight push; in one_step_off / async mode the
+        scheduler keeps generating while the trainer works (in a thread), see miles_agent.scheduling."""
         cfg, records = self.cfg, []
         if progress and hasattr(self.trainer, "on_micro_batch"):
             self.trainer.on_micro_batch = progress.micro_batch_done
         if self._resync_version is not None:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
             self._resync_version = None
-        while self.step < cfg.run.steps:
-            record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
-            t0 = time.perf_counter()
-            trajs = await self.rollout(progress)
-            t1 = time.perf_counter()
-            trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
-            if not trainable:
-                raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
-                                   "nothing to train on")
-            record.update(rollout_metrics(trajs))
-            record["episode_retries"] = float(self.runner.stats.retries)
-            record.update(self.observer.rollout_record(trajs, trainer_version=self.step))
-            if progress:
-                progress.phase("train")
-            adv = self.advantage_fn([t.reward for t in trainable], [t.group_id for t in trainable],
-                                                normalize_std=cfg.algo.normalize_std)
-            batch = TrainBatch(trainable, per_token(trainable, adv))
-            if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
-                batch, distill_metrics = await self.distiller.apply(batch)
-                record.update(distill_metrics)
-            self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
-            train_metrics = self.trainer.train_step(batch)
-            t2 = time.perf_counter()
-            if progress:
-                progress.phase("sync")
-            weights = progress.track_sync(self.trainer.named_weights()) if progress else self.trainer.named_weights()
-            sync = await self.transport.push(weights, version=self.step + 1)
-            t3 = time.perf_counter()
-            record.update({f"train/{k}": v for k, v in train_metrics.items()})
-            record.update(sync)
-            record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
-                           "time/step": t3 - t0, "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
-            self.step += 1
-            self.metrics.write(record)
-            records.append(record)
-            if progress:
-                progress.step_done(record, summary_line(record))
-            every = cfg.run.checkpoint_every
-            if (every and self.step % every == 0) or self.step == cfg.run.steps:
-                self.save_checkpoint()
+        self.scheduler.on_episode_done = progress.episode_done if progress else None
+        try:
+            while self.step < cfg.run.steps:
+                record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
+                if progress:
+                    progress.phase("rollout", total=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
+                t0 = time.perf_counter()
+                trajs, sched_metrics = await self.scheduler.next_batch(version=self.step)
+                if self.routing is not None:
+                    self.routing.attach(trajs)
+                t1 = time.perf_counter()
+                trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
+                if not trainable:
+                    raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
+                                       "nothing to train on")
+                record.update(rollout_metrics(trajs))
+                record.update(sched_metrics)
+                record["episode_retries"] = float(self.runner.stats.retries)
+                record.update(self.observer.rollout_record(trajs, trainer_version=self.step))
+                if progress:
+                    progress.phase("train")
+                if self.group_filter is not None:
+                    record.update(self.group_filter.step_metrics())
+                batch, algo_metrics = self.batches.build(trainable)  # advantages; a critic steps here
+                record.update(algo_metrics)
+                if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
+                    batch, distill_metrics = await self.distiller.apply(batch)
+                    record.update(distill_metrics)
+                self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
+                train_metrics = await self._train_step(batch)
+                t2 = time.perf_counter()
+                if progress:
+                    progress.phase("sync")
+                weights = progress.track_sync(self.trainer.named_weights()) if progress else self.trainer.named_weights()
+                async with self.scheduler.weight_update():
+                    sync = await self.transport.push(weights, version=self.step + 1)
+                t3 = time.perf_counter()
+                record.update({f"train/{k}": v for k, v in train_metrics.items()})
+                record.update(sync)
+                record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
+                               "time/step": t3 - t0,
+                               "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
+                self.step += 1
+                self.metrics.write(record)
+                records.append(record)
+                if progress:
+                    progress.step_done(record, summary_line(record))
+                every = cfg.run.checkpoint_every
+                if (every and self.step % every == 0) or self.step == cfg.run.steps:
+                    self.save_checkpoint()
+        finally:
+            await self.scheduler.close()
         self.trainer.save_hf(self.run_dir / "final")
         return records
 
-    async def rollout(self, progress: Any = None) -> list[Trajectory]:
-        tasks = self.sampler.take(self.cfg.rollout.prompts_per_step)
-        if progress:
-            progress.phase("rollout", total=len(tasks) * self.cfg.rollout.samples_per_prompt)
-        # R3: record the engine's routed experts per call and attach them to the trajectories
-        capture = RoutingCapture(self.engine) if self.cfg.algo.routing_replay else None
-        trajs = await collect(self.runner, tasks, self.cfg.rollout.samples_per_prompt, capture or self.engine,
-                              self.cfg.rollout.concurrency, on_done=progress.episode_done if progress else None,
-                              group_prefix=f"s{self.step}-")
-        if capture is not None:
-            capture.attach(trajs)
-        return trajs
+    async def _train_step(self, batch: Any) -> dict[str, float]:
+        """In sync mode inline; otherwise in a worker thread, so episodes keep running on the event loop."""
+        if self.cfg.rollout.mode == "sync":
+            return self.trainer.train_step(batch)
+        device = getattr(self.trainer, "device", None)
+
+        def step() -> dict[str, float]:
+            if getattr(device, "type", None) == "cuda":  # the current CUDA device is per thread
+                import torch
+
+                torch.cuda.set_device(device)
+            return self.trainer.train_step(batch)
+
+        return await asyncio.to_thread(step)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """trainer state + loop state in ``checkpoints/step_N``, then ``latest`` points at it."""
-        ckpt_root = self.run_dir / "checkpoints"
-        path = ckpt_root / f"step_{self.step}"
-        self.trainer.save_checkpoint(path / "trainer")
-        state = {"step": self.step, "sampler_position": self.sampler.position,
-                 "weight_version": self.engine.weight_version, "rng": random.getstate()}
-        tmp = path / "loop_state.json.tmp"
-        tmp.write_text(json.dumps(state))
-        tmp.rename(path / "loop_state.json")
-        latest_tmp = ckpt_root / "latest.tmp"
-        latest_tmp.write_text(path.name)
-        latest_tmp.rename(ckpt_root / "latest")
-        return path
+        """Trainer state + loop state (scheduler buffer, RNG) in ``checkpoints/step_N``, atomically."""
+        counters = {k: v for k, v in vars(self.runner.stats).items() if isinstance(v, int)}
+        state = {"step": self.step, "weight_version": self.engine.weight_version, "episode_stats": counters,
+                 "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
+
+        def save_trainer(path: Path) -> None:
+            self.trainer.save_checkpoint(path)
+            self.batches.save_checkpoint(path.parent)  # the critic, when there is one
+
+        return write_checkpoint(self.run_dir / "checkpoints", self.step, save_trainer, state)
 
     def _resume(self) -> None:
-        latest = self.run_dir / "checkpoints" / "latest"
-        if not latest.is_file():
-            raise UserError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}; "
-                            "run without --resume to start fresh")
-        path = self.run_dir / "checkpoints" / latest.read_text().strip()
+        path, state = latest_checkpoint(self.run_dir / "checkpoints")
         self.trainer.load_checkpoint(path / "trainer")
-        state = json.loads((path / "loop_state.json").read_text())
-        self.step, self.sampler.position = state["step"], state["sampler_position"]
-        rng = state["rng"]
-        random.setstate((rng[0], tuple(rng[1]), rng[2]))
+        self.batches.load_checkpoint(path)
+        self.step = state["step"]
+        for name, value in state["episode_stats"].items():  # cumulative counters continue
+            setattr(self.runner.stats, name, value)
+        self.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"])
         self._resync_version = state["weight_version"]  # pushed to the engine when the loop starts
         # Steps logged after the checkpoint are redone: drop them from the log.
         kept = [r for r in self.metrics.read() if r["step"] < self.step]
-        self.metrics.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = self.metrics.path.with_name(self.metrics.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.metrics.path)
 
 
 def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
@@ -262,6 +272,7 @@ def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | No
                 await run.distiller.shutdown()
             if hasattr(run.trainer, "close"):
                 run.trainer.close()
+            run.batches.close()
             run.metrics.close()
             if view is not None:
                 view.close()

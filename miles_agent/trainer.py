@@ -20,15 +20,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class TrainBatch:
-    """Trajectories plus one advantage per response token (aligned with ``Trajectory.loss_mask``)."""
+    """Trajectories plus one advantage per response token (aligned with ``Trajectory.loss_mask``).
+
+    ``old_logprobs`` / ``ref_logprobs`` (same alignment), when the driver already computed them for
+    its estimator, spare the trainer a second forward; None = the trainer computes what it needs."""
 
     trajectories: list[Trajectory]
     advantages: list[list[float]]
+    old_logprobs: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
     # A teacher's logprob per response token: on-policy distillation's loss term (algorithms/distill.py).
     teacher_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("advantages", "teacher_logprobs"):
+        for name in ("advantages", "old_logprobs", "ref_logprobs", "teacher_logprobs"):
             rows = getattr(self, name)
             if rows is None:
                 continue
@@ -46,7 +51,8 @@ class TrainBatch:
 @runtime_checkable
 class Trainer(Protocol):
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over the whole batch (packed into micro-batches); returns metrics."""
+        """Optimizer step(s) over the whole batch (``train.mini_batches`` x ``train.ppo_epochs``, each
+        packed into micro-batches); returns metrics."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -76,11 +76,15 @@ class Trajectory:
     task_id: str = ""
     group_id: str = ""  # samples sharing a group_id are normalized together (GRPO)
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Trajectories of one rollout (branches of one episode) share it: one sample in group statistics.
+    episode_id: str = ""  # "" = this trajectory's own uid
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+        if not self.episode_id:
+            self.episode_id = self.uid
 
     # -- building -----------------------------------------------------------------------------
     @property
@@ -89,18 +93,35 @@ class Trajectory:
 
     @property
     def num_turns(self) -> int:
-        return sum(1 for s in self.spans if s.kind is SpanKind.MODEL)
+        return len({s.turn for s in self.spans if s.kind is SpanKind.MODEL})  # a turn may span versions
 
     def append_model(self, ids: list[int], logprobs: list[float], weight_version: int,
-                     turn: int, trainable: bool = True) -> None:
-        """Append tokens the engine sampled, with one logprob each."""
+                     turn: int, trainable: bool = True,
+                     version_starts: list[tuple[int, int]] | None = None) -> None:
+        """Append tokens the engine sampled, with one logprob each.
+
+        ``version_starts`` (the engine's ``(version, first output index)`` list, for a request that
+        weights changed under) splits the tokens into one model span per version, so every span names
+        the weights that sampled it.
+        """
         if len(ids) != len(logprobs):
             raise TrajectoryError(f"{len(ids)} sampled tokens but {len(logprobs)} logprobs")
         start = self.response_length
         self.tokens.extend(ids)
         self.loss_mask.extend([1 if trainable else 0] * len(ids))
         self.rollout_logprobs.extend(float(x) for x in logprobs)
-        self.spans.append(Span(SpanKind.MODEL, start, start + len(ids), turn, weight_version))
+        cuts = [(int(v), int(i)) for v, i in version_starts or () if 0 <= i < len(ids)]
+        if len(cuts) < 2:
+            self.spans.append(Span(SpanKind.MODEL, start, start + len(ids), turn, weight_version))
+            return
+        cuts[0] = (cuts[0][0], 0)
+        for (version, lo), (_, hi) in zip(cuts, cuts[1:] + [(0, len(ids))]):
+            self.spans.append(Span(SpanKind.MODEL, start + lo, start + hi, turn, version))
+
+    @property
+    def weight_versions(self) -> list[int]:
+        """The weight version of each model span, in order."""
+        return [s.weight_version for s in self.spans if s.kind is SpanKind.MODEL and s.weight_version is not None]
 
     def append_observation(self, ids: list[int], turn: int) -> None:
         """Append tokens the model did not sample (tool output, template turn markers)."""
@@ -166,7 +187,7 @@ class Trajectory:
     # -- serialization (rollout dumps, Ray transfer) -----------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "uid": self.uid, "task_id": self.task_id, "group_id": self.group_id,
+            "uid": self.uid, "task_id": self.task_id, "group_id": self.group_id, "episode_id": self.episode_id,
             "prompt_ids": self.prompt_ids, "tokens": self.tokens, "loss_mask": self.loss_mask,
             "rollout_logprobs": self.rollout_logprobs, "spans": [s.to_dict() for s in self.spans],
             "routed_experts": None if self.routed_experts is None else self.routed_experts.tolist(),
@@ -183,5 +204,6 @@ class Trajectory:
             routed_experts=None if re is None else np.asarray(re, dtype=np.int32),
             reward=d.get("reward"), reward_parts=dict(d.get("reward_parts", {})), status=Status(d["status"]),
             task_id=d.get("task_id", ""), group_id=d.get("group_id", ""), uid=d["uid"],
+            episode_id=d.get("episode_id", ""),  # older dumps: each trajectory its own episode
             metadata=dict(d.get("metadata", {})),
         )

@@ -9,8 +9,10 @@ Data layout: every rank receives the *whole* ``TrainBatch`` and takes its own to
 everywhere without communication. Methods that run collectives (``train_step``, ``named_weights``,
 ``compute_logprobs``, checkpointing, ``save_hf``) must be called on every rank.
 
-One optimizer step per ``train_step``: every micro-batch's forward sees the pre-update weights, so
-the training forward also yields the trainer/rollout logprob mismatch at no extra cost.
+``train.mini_batches`` x ``train.ppo_epochs`` optimizer steps per ``train_step`` (default one): the old
+and reference logprobs are computed once, before the first step (see ``minibatch``). With one step,
+every micro-batch's forward sees the pre-update weights, so the training forward also yields the
+trainer/rollout logprob mismatch at no extra cost.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from miles_agent import true_on_policy
+from miles_agent.algorithms import mismatch
 from miles_agent.algorithms.distill import distill_loss
+from miles_agent.algorithms.estimators import needs_reference
 from miles_agent.algorithms.losses import compute_loss, loss_options, validate_options
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
@@ -39,6 +43,7 @@ from miles_agent.trainers import checkpoint as ckpt
 from miles_agent.trainers import routing_replay
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
 from miles_agent.trainers.lr_schedule import lr_at
+from miles_agent.trainers.minibatch import normalizers, row_weight_tensor, split_mini_batches, to_grid
 from miles_agent.types import Trajectory
 
 
@@ -89,6 +94,10 @@ class FSDP2Trainer:
     def __init__(self, model: nn.Module, tokenizer: Any, train: TrainConfig, algo: AlgoConfig, *,
                  temperature: float = 1.0, device: str = "cpu") -> None:
         validate_options(algo)
+        mismatch.check_options(algo)
+        if train.mini_batches < 1 or train.ppo_epochs < 1:
+            raise UserError(f"train.mini_batches and train.ppo_epochs must be >= 1 (got {train.mini_batches}, "
+                            f"{train.ppo_epochs})")
         if not temperature > 0:
             raise UserError(f"temperature must be > 0 (got {temperature}); logits are divided by it")
         self.train_cfg, self.algo, self.temperature = train, algo, float(temperature)
@@ -112,7 +121,7 @@ class FSDP2Trainer:
             true_on_policy.apply(model)
         self.on_micro_batch: Callable[[int, int], None] | None = None  # (done, total): the live view's hook
         self.ref_model: nn.Module | None = None
-        if algo.kl_coef > 0:  # a frozen copy of the initial policy, sharded the same way (not saved)
+        if needs_reference(algo):  # a frozen copy of the initial policy, sharded the same way (not saved)
             self.ref_model = shard(copy.deepcopy(model).requires_grad_(False).eval().to(self.device), self.mesh)
         self.model = shard(model.to(self.device), self.mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas), eps=train.adam_eps,
@@ -157,63 +166,99 @@ class FSDP2Trainer:
                                                           len(routers), routers[0].top_k)
         return [mb.to(self.device) for mb in mbs]
 
-    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
-        """Current-policy logprob per response position (0.0 where the model did not sample).
+    def compute_logprobs(self, trajectories: Sequence[Trajectory], reference: bool = False) -> list[list[float]]:
+        """Current-policy (or, with ``reference``, reference-policy) logprob per response position
+        (0.0 where the model did not sample).
 
         Every rank computes all trajectories (same plan everywhere, so FSDP's collectives line up)."""
+        model = self.model
+        if reference:
+            if self.ref_model is None:
+                raise ValueError("no reference model: it exists only with algo.kl_coef or algo.kl_reward_coef > 0")
+            model = self.ref_model
         lengths = [len(t.tokens) for t in trajectories]
         plan = pack_micro_batches(range(len(trajectories)), lengths, self.train_cfg.micro_batch_tokens)
         out: list[list[float]] = [[] for _ in trajectories]
         for mb in self._micro_batches(trajectories, plan, None):
-            (logp,) = self._no_grad_logps(self.model, [mb])
+            (logp,) = self._no_grad_logps(model, [mb])
             for i, row in zip(mb.indices, mb.rows_to_lists(logp)):
                 out[i] = row
         return out
 
     # -- the step -----------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over the whole batch: micro-batches accumulate gradients of the loss
-        normalized by the global batch, so the split never changes the update."""
-        trajs = batch.trajectories
-        plan = rank_plan([len(t.tokens) for t in trajs], self.train_cfg.micro_batch_tokens,
-                         self.world_size, self.rank)
-        mbs = self._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
-        norm = {"num_tokens": float(sum(sum(t.loss_mask) for t in trajs)),
-                "num_seqs": float(sum(1 for t in trajs if any(t.loss_mask)))}
-        olds: list[Tensor | None] = [None] * len(mbs)
-        if not self.algo.use_rollout_logprobs:
-            olds = list(self._no_grad_logps(self.model, mbs))
-        refs: list[Tensor | None] = [None] * len(mbs)
-        if self.ref_model is not None:
-            refs = list(self._no_grad_logps(self.ref_model, mbs))
+        """``train.mini_batches`` x ``train.ppo_epochs`` optimizer steps over the batch. Within a step,
+        micro-batches accumulate gradients of the loss normalized by that step's whole share, so the
+        micro-batch split never changes the update. Metrics are means over the optimizer steps."""
+        trajs, cfg = batch.trajectories, self.train_cfg
+        lengths = [len(t.tokens) for t in trajs]
+        minis = split_mini_batches([t.group_id for t in trajs], cfg.mini_batches)
+        steps = []  # per mini-batch: (its micro-batches, olds, refs, normalizers)
+        for mini in minis:
+            plan = [[mini[j] for j in mb] for mb in rank_plan([lengths[i] for i in mini], cfg.micro_batch_tokens,
+                                                                self.world_size, self.rank)]
+            mbs = self._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
+            olds = self._given_or_computed(mbs, batch.old_logprobs, None if self.algo.use_rollout_logprobs
+                                           else self.model)
+            refs = self._given_or_computed(mbs, batch.ref_logprobs, self.ref_model)
+            steps.append((mbs, olds, refs, normalizers(trajs, mini, self.algo.loss_agg)))
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Tensor] = {}
-        mismatch_max = torch.zeros((), device=self.device)
-        for i, (mb, old, ref) in enumerate(zip(mbs, olds, refs)):
-            metrics, mb_max = self._micro_step(mb, old, ref, norm)
-            if self.on_micro_batch is not None:
-                self.on_micro_batch(i + 1, len(mbs))
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-            mismatch_max = torch.maximum(mismatch_max, mb_max)
-        grad_norm = self._clip_and_step()
-        return self._reduce_metrics(sums, mismatch_max, grad_norm, norm)
+        grad_norms = []
+        done, total = 0, cfg.ppo_epochs * sum(len(step[0]) for step in steps)
+        for epoch in range(cfg.ppo_epochs):
+            for m, (mbs, olds, refs, norm) in enumerate(steps):
+                self.optimizer.zero_grad(set_to_none=True)
+                # the mismatch is measured where the trainer's pre-update logprobs are known
+                measure = epoch == 0 and (olds[0] is not None or m == 0)
+                for mb, old, ref in zip(mbs, olds, refs):
+                    for k, v in self._micro_step(mb, old, ref, norm, measure).items():
+                        sums[k] = torch.maximum(sums[k], v) if k == "mismatch/abs_max" and k in sums \
+                            else sums.get(k, 0.0) + v
+                    done += 1
+                    if self.on_micro_batch is not None:
+                        self.on_micro_batch(done, total)
+                grad_norms.append(self._clip_and_step())
+        return self._reduce_metrics(sums, grad_norms, len(minis), trajs)
 
-    def _micro_step(self, mb: MicroBatch, old: Tensor | None, ref: Tensor | None,
-                    norm: dict[str, float]) -> tuple[dict[str, Tensor], Tensor]:
+    def _given_or_computed(self, mbs: Sequence[MicroBatch], rows: list[list[float]] | None,
+                           model: nn.Module | None) -> list[Tensor | None]:
+        """Per micro-batch: the driver's rows laid on the grid, else ``model``'s logprobs, else None."""
+        if rows is not None:
+            return [to_grid(mb, rows) for mb in mbs]
+        if model is None:
+            return [None] * len(mbs)
+        return list(self._no_grad_logps(model, mbs))
+
+    def _micro_step(self, mb: MicroBatch, old: Tensor | None, ref: Tensor | None, norm: dict,
+                    measure: bool) -> dict[str, Tensor]:
         logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=self.algo.entropy_coef != 0)
+        a = self.algo
+        is_weights = None
+        if a.mismatch_correction != "none":  # check_options guarantees the trainer's own old logprobs
+            is_weights = mismatch.correction_weights(old, mb.rollout_logp, mb.loss_mask,
+                                                     correction=a.mismatch_correction, level=a.mismatch_level,
+                                                     low=a.mismatch_low, high=a.mismatch_high, veto=a.mismatch_veto)
         loss, metrics = compute_loss(logp, mb.rollout_logp if old is None else old, mb.advantages, mb.loss_mask,
-                                     ref_logp=ref, entropy=entropy, **self._loss_opts, **norm)
+                                     ref_logp=ref, entropy=entropy, is_weights=is_weights,
+                                     num_tokens=norm["num_tokens"], num_seqs=norm["num_seqs"],
+                                     row_weights=row_weight_tensor(mb, norm), **self._loss_opts)
         if mb.teacher_logp is not None:  # on-policy distillation in loss mode (algorithms/distill.py)
             term, extra = distill_loss(logp, mb.teacher_logp, mb.loss_mask, coef=self.algo.distill_coef,
-                                       loss_agg=self.algo.loss_agg, **norm)
+                                       loss_agg=self.algo.loss_agg, num_tokens=norm["num_tokens"],
+                                       num_seqs=norm["num_seqs"])
             loss, metrics = loss + term, {**metrics, **extra, "loss": metrics["loss"] + extra["distill_loss"]}
         # FSDP averages gradients over ranks; each rank's loss is its share of the global sum.
         (loss * self.world_size).backward()
-        diff = (logp.detach() - mb.rollout_logp).abs() * mb.loss_mask
-        metrics["logprob_mismatch_mean"] = diff.sum() / max(norm["num_tokens"], 1.0)
-        return metrics, diff.max() if diff.numel() else torch.zeros((), device=self.device)
+        if is_weights is not None:
+            metrics["mismatch/masked_tokens"] = ((is_weights == 0) & (mb.loss_mask > 0)).float().sum()
+            metrics["mismatch/weight_sum"] = (is_weights * mb.loss_mask).sum()
+        if measure:
+            pre_update = logp.detach() if old is None else old
+            sums = mismatch.mismatch_sums(pre_update, mb.rollout_logp, mb.loss_mask, low=a.mismatch_low,
+                                          high=a.mismatch_high)
+            metrics.update({f"mismatch/{k}": v for k, v in sums.items()})
+        return metrics
 
     def _clip_and_step(self) -> float:
         """Clip to ``train.grad_clip`` (<= 0: measure only) and step; a non-finite norm skips the step."""
@@ -231,22 +276,37 @@ class FSDP2Trainer:
         self.step += 1
         return grad_norm
 
-    def _reduce_metrics(self, sums: dict[str, Tensor], mismatch_max: Tensor, grad_norm: float,
-                        norm: dict[str, float]) -> dict[str, float]:
+    def _reduce_metrics(self, sums: dict[str, Tensor], grad_norms: list[float], n_minis: int,
+                        trajs: Sequence[Trajectory]) -> dict[str, float]:
+        """Sum over ranks, then: loss metrics as means over optimizer steps, mismatch metrics per token."""
+        mx = sums.pop("mismatch/abs_max", torch.zeros((), device=self.device))
         names = sorted(sums)
+        values: dict[str, float] = {}
         if names:
             stacked = torch.stack([torch.as_tensor(sums[k], device=self.device).float() for k in names])
             if self.world_size > 1:
                 dist.all_reduce(stacked)
-                dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX)
             values = dict(zip(names, stacked.tolist()))
-        else:
-            values = {}
-        values.update(logprob_mismatch_max=float(mismatch_max), grad_norm=grad_norm,
-                      lr=float(self.optimizer.param_groups[0]["lr"]), tokens=norm["num_tokens"],
-                      seqs=norm["num_seqs"], step=float(self.step),
-                      skipped_step=0.0 if math.isfinite(grad_norm) else 1.0)
-        return values
+        out = {k: v / len(grad_norms) for k, v in values.items() if not k.startswith("mismatch/")}
+        measured = max(values.get("mismatch/tokens", 0.0), 1.0)
+        if "mismatch/tokens" in values:
+            out.update(logprob_mismatch_mean=values["mismatch/abs_sum"] / measured, logprob_mismatch_max=float(mx),
+                       mismatch_k1=values["mismatch/k1_sum"] / measured,
+                       mismatch_k3=values["mismatch/k3_sum"] / measured,
+                       mismatch_out_of_range=values["mismatch/out_of_range"] / measured)
+        trained = max(float(sum(sum(t.loss_mask) for t in trajs)) * self.train_cfg.ppo_epochs, 1.0)
+        if "mismatch/weight_sum" in values:  # over every token of every step
+            out.update(mismatch_masked_frac=values["mismatch/masked_tokens"] / trained,
+                       mismatch_weight_mean=values["mismatch/weight_sum"] / trained)
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        out.update(grad_norm=sum(finite) / len(finite) if finite else math.nan,
+                   lr=float(self.optimizer.param_groups[0]["lr"]),
+                   tokens=float(sum(sum(t.loss_mask) for t in trajs)),
+                   seqs=float(sum(1 for t in trajs if any(t.loss_mask))), step=float(self.step),
+                   optimizer_steps=float(len(grad_norms)), mini_batches=float(n_minis),
+                   skipped_step=float(len(grad_norms) - len(finite)))
+        return out
 
     # -- weights out --------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:

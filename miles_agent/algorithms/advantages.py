@@ -7,11 +7,18 @@ Groups are whatever ``group_ids`` says, and may be uneven in size: a group's sta
 its own members, never a fixed ``samples_per_prompt`` reshape (the uneven-group pitfall of
 slime #1414 / #2230). A group of one has no baseline, so its advantage is 0.
 
+One rollout may yield several trajectories (branches of one episode). With ``episode_ids`` those
+count as *one* sample in their group's statistics (the episode's reward is the mean of its
+trajectories' rewards) and every one of them gets the episode's advantage.
+
+Token-level estimators (REINFORCE++, GAE) live in ``returns.py``; ``estimators.py`` names them all.
+
 The module needs only the standard library, so environment workers can import it without torch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Hashable, Sequence
 
@@ -29,7 +36,7 @@ def _groups(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     return out
 
 
-def _check(rewards: Sequence[float], group_ids: Sequence[Hashable]) -> None:
+def check_rewards(rewards: Sequence[float], group_ids: Sequence[Hashable]) -> None:
     if len(rewards) != len(group_ids):
         raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
     for i, r in enumerate(rewards):
@@ -37,6 +44,35 @@ def _check(rewards: Sequence[float], group_ids: Sequence[Hashable]) -> None:
             raise ValueError(f"reward of sample {i} is {r!r}; every trained sample needs a finite reward")
 
 
+def per_episode(fn: AdvantageFn) -> AdvantageFn:
+    """Make a per-sample estimator episode-aware: with ``episode_ids``, it runs on one sample per
+    (group, episode) -- the mean reward of the episode's trajectories -- and each trajectory gets its
+    episode's advantage. Without ``episode_ids`` every trajectory is its own episode."""
+
+    @functools.wraps(fn)
+    def wrapped(rewards: Sequence[float], group_ids: Sequence[Hashable], *args: object,
+                episode_ids: Sequence[Hashable] | None = None, **kwargs: object) -> list[float]:
+        check_rewards(rewards, group_ids)
+        if episode_ids is None:
+            return fn(rewards, group_ids, *args, **kwargs)
+        if len(episode_ids) != len(rewards):
+            raise ValueError(f"{len(rewards)} rewards but {len(episode_ids)} episode ids")
+        members: dict[tuple[Hashable, Hashable], list[int]] = {}
+        for i, key in enumerate(zip(group_ids, episode_ids)):
+            members.setdefault(key, []).append(i)
+        keys = list(members)
+        ep_rewards = [sum(float(rewards[i]) for i in members[k]) / len(members[k]) for k in keys]
+        ep_adv = fn(ep_rewards, [k[0] for k in keys], *args, **kwargs)
+        adv = [0.0] * len(rewards)
+        for k, a in zip(keys, ep_adv):
+            for i in members[k]:
+                adv[i] = a
+        return adv
+
+    return wrapped
+
+
+@per_episode
 def grpo(rewards: Sequence[float], group_ids: Sequence[Hashable], normalize_std: bool = True,
          eps: float = 1e-6) -> list[float]:
     """GRPO: ``(r - group mean) / (group std + eps)``; with ``normalize_std=False``, ``r - group mean``.
@@ -45,7 +81,7 @@ def grpo(rewards: Sequence[float], group_ids: Sequence[Hashable], normalize_std:
     makes a group's normalized advantages have unit variance, whatever the size. Dividing by the std
     is what Dr.GRPO drops, because it up-weights groups that are almost all right or all wrong.
     """
-    _check(rewards, group_ids)
+    check_rewards(rewards, group_ids)
     adv = [0.0] * len(rewards)
     for idx in _groups(group_ids).values():
         if len(idx) < 2:
@@ -58,19 +94,21 @@ def grpo(rewards: Sequence[float], group_ids: Sequence[Hashable], normalize_std:
     return adv
 
 
+@per_episode
 def dr_grpo(rewards: Sequence[float], group_ids: Sequence[Hashable], normalize_std: bool = False,
             eps: float = 1e-6) -> list[float]:
     """Dr.GRPO: the group mean as baseline, no std division (``normalize_std`` is ignored)."""
     return grpo(rewards, group_ids, normalize_std=False, eps=eps)
 
 
+@per_episode
 def rloo(rewards: Sequence[float], group_ids: Sequence[Hashable], normalize_std: bool = False,
          eps: float = 1e-6) -> list[float]:
     """REINFORCE leave-one-out: ``r - mean of the other members of the group`` (unbiased baseline).
 
     ``normalize_std`` and ``eps`` are accepted for a uniform signature and ignored.
     """
-    _check(rewards, group_ids)
+    check_rewards(rewards, group_ids)
     adv = [0.0] * len(rewards)
     for idx in _groups(group_ids).values():
         n = len(idx)
@@ -96,10 +134,11 @@ def get_advantage_fn(name: str) -> AdvantageFn:
 
 def sample_advantages(trajectories: Sequence[Trajectory], name: str = "grpo", normalize_std: bool = True,
                       eps: float = 1e-6) -> list[float]:
-    """One advantage per trajectory, grouped by ``Trajectory.group_id`` (taken literally: ``""`` is a group)."""
+    """One advantage per trajectory, grouped by ``Trajectory.group_id`` (taken literally: ``""`` is a
+    group); trajectories sharing an ``episode_id`` count once and share the episode's advantage."""
     rewards = [t.reward for t in trajectories]
     return get_advantage_fn(name)(rewards, [t.group_id for t in trajectories], normalize_std=normalize_std,
-                                  eps=eps)
+                                  eps=eps, episode_ids=[t.episode_id for t in trajectories])
 
 
 def per_token(trajectories: Sequence[Trajectory], sample_advantages: Sequence[float]) -> list[list[float]]:

@@ -14,7 +14,7 @@ micro-batches (and ranks) to get the batch value.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,26 +29,58 @@ if TYPE_CHECKING:  # pragma: no cover
 PolicyLossFn = Callable[..., tuple[Tensor, Tensor | None]]
 KLFn = Callable[[Tensor, Tensor], Tensor]
 
-AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "group_mean_token_mean")
 
 
 # -- policy losses ---------------------------------------------------------------------------------
 
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_eps: float, clip_eps_high: float | None,
+                       dual_clip_c: float | None) -> tuple[Tensor, Tensor]:
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    was_clipped = clipped < unclipped
+    if dual_clip_c is not None:  # negative advantages: the loss is capped at -c * A
+        cap = -dual_clip_c * advantages
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped.to(ratio.dtype)
+
+
 def ppo_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_eps: float = 0.2,
-             clip_eps_high: float | None = None, **_: object) -> tuple[Tensor, Tensor]:
+             clip_eps_high: float | None = None, dual_clip_c: float | None = None,
+             **_: object) -> tuple[Tensor, Tensor]:
     """PPO's clipped surrogate per token, ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``.
 
     ``clip_eps_high`` > ``clip_eps`` is DAPO's clip-higher: low-probability tokens with positive
     advantage may grow further before the clip stops them, which keeps entropy from collapsing.
-    The second tensor marks tokens where the clipped branch won (their gradient is zero). The log
-    ratio is clamped to +-20 so one token the old policy found impossible (a stale or mismatched
-    rollout logprob) cannot turn the loss into inf/NaN.
+    ``dual_clip_c`` (> 1) is dual clip (Ye et al. 2020): for ``A < 0`` the loss is at most ``-c * A``,
+    so a token whose ratio exploded cannot dominate the batch. The second tensor marks tokens where
+    a clip won (their gradient is zero). The log ratio is clamped to +-20 so one token the old
+    policy found impossible (a stale or mismatched rollout logprob) cannot turn the loss into inf/NaN.
     """
-    high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * advantages
-    return -torch.minimum(unclipped, clipped), (clipped < unclipped).to(logp.dtype)
+    return _clipped_surrogate(ratio, advantages, clip_eps, clip_eps_high, dual_clip_c)
+
+
+def gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, mask: Tensor, clip_eps: float = 3e-4,
+         clip_eps_high: float | None = None, dual_clip_c: float | None = None,
+         **_: object) -> tuple[Tensor, Tensor]:
+    """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios
+    ``s = exp(mean_t(logp - old_logp))`` over trainable tokens, clipped at sequence level.
+
+    Written in the paper's GSPO-token form: every token carries ``s * pi/sg(pi)``, whose value is
+    ``s`` and whose gradient is ``s * grad logp_t``, so with ``loss_agg=seq_mean_token_mean`` the
+    loss and its gradient are exactly the sequence-level objective. The paper's clip ranges are
+    small (3e-4 / 4e-4) because ``s`` is a per-token average.
+    """
+    mask = mask.to(logp.dtype)
+    log_r = (logp - old_logp).clamp(-20.0, 20.0) * mask
+    seq_log_ratio = log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    ratio = torch.exp(seq_log_ratio.detach() + logp - logp.detach())
+    return _clipped_surrogate(ratio, advantages, clip_eps, clip_eps_high, dual_clip_c)
 
 
 def sft(logp: Tensor, old_logp: Tensor, advantages: Tensor, **_: object) -> tuple[Tensor, None]:
@@ -56,7 +88,7 @@ def sft(logp: Tensor, old_logp: Tensor, advantages: Tensor, **_: object) -> tupl
     return -logp, None
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip, "sft": sft}
+POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip, "gspo": gspo, "sft": sft}
 
 
 # -- KL estimators (Schulman, "Approximating KL divergence"); logr = ref_logp - logp ------------------
@@ -111,14 +143,27 @@ def count_seqs(mask: Tensor) -> int:
     return int((mask.sum(-1) > 0).sum().item())
 
 
+def group_row_weights(group_ids: Sequence[Hashable], token_counts: Sequence[float]) -> list[float]:
+    """Per sequence, ``1 / (groups * trainable tokens in its group)``: the row weights with which a
+    sum of token sums is ``group_mean_token_mean`` (every group weighs the same, and every token
+    the same within its group). Groups without trainable tokens do not count."""
+    totals: dict[Hashable, float] = {}
+    for g, n in zip(group_ids, token_counts):
+        totals[g] = totals.get(g, 0.0) + float(n)
+    live = sum(1 for n in totals.values() if n > 0)
+    return [1.0 / (live * totals[g]) if totals[g] > 0 else 0.0 for g in group_ids]
+
+
 def aggregate(values: Tensor, mask: Tensor, mode: str = "token_mean", *, num_tokens: float | None = None,
-              num_seqs: float | None = None) -> Tensor:
+              num_seqs: float | None = None, row_weights: Tensor | None = None) -> Tensor:
     """Reduce per-token ``values`` over the masked tokens to a scalar.
 
     * ``token_mean``: sum over all masked tokens / ``num_tokens`` (every token weighs the same).
     * ``seq_mean_token_sum``: per-sequence sums, averaged over ``num_seqs`` (Dr.GRPO's constant
       normalizer when all sequences share a max length).
     * ``seq_mean_token_mean``: per-sequence means, averaged over ``num_seqs`` (the original GRPO).
+    * ``group_mean_token_mean``: per-group token means, averaged over groups; needs ``row_weights``
+      from :func:`group_row_weights` (without them the whole tensor is one group).
 
     ``num_tokens`` / ``num_seqs`` default to this tensor's own counts; pass the global batch's
     counts when ``values`` is one micro-batch of many. No sequence may be split across calls.
@@ -132,6 +177,10 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token_mean", *, num_tok
         return masked.sum(-1).sum() / max(denom, 1.0)
     if mode == "seq_mean_token_mean":
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(denom, 1.0)
+    if mode == "group_mean_token_mean":
+        if row_weights is None:
+            return masked.sum() / max(float(mask.sum().item()), 1.0)
+        return (masked.sum(-1) * row_weights.to(masked.dtype)).sum()
     check_agg_mode(mode)
     raise AssertionError("unreachable")
 
@@ -140,10 +189,15 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token_mean", *, num_tok
 
 def compute_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                  loss: str = "ppo_clip", clip_eps: float = 0.2, clip_eps_high: float | None = None,
-                 kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0,
-                 loss_agg: str = "token_mean", ref_logp: Tensor | None = None, entropy: Tensor | None = None,
-                 num_tokens: float | None = None, num_seqs: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                 dual_clip_c: float | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+                 entropy_coef: float = 0.0, loss_agg: str = "token_mean", ref_logp: Tensor | None = None,
+                 entropy: Tensor | None = None, is_weights: Tensor | None = None,
+                 num_tokens: float | None = None, num_seqs: float | None = None,
+                 row_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss + ``kl_coef`` * KL to the reference - ``entropy_coef`` * entropy.
+
+    ``is_weights`` (detached, per token) multiply the policy loss: the rollout/training mismatch
+    correction of ``mismatch.py`` (0 masks a token out, but it still counts in the normalizers).
 
     Returns the scalar loss and detached metric shares: ``loss``, ``pg_loss``, ``clipfrac`` (when the
     policy loss clips), ``approx_kl`` (k3 estimate of KL to the old policy), ``kl`` (to the reference,
@@ -151,10 +205,12 @@ def compute_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tenso
     means (as logged by most frameworks); ``pg_loss``, ``kl`` and ``entropy`` use ``loss_agg``.
     """
     mask = mask.to(logp.dtype)
-    agg = dict(mode=check_agg_mode(loss_agg), num_tokens=num_tokens, num_seqs=num_seqs)
+    agg = dict(mode=check_agg_mode(loss_agg), num_tokens=num_tokens, num_seqs=num_seqs, row_weights=row_weights)
     tok = dict(mode="token_mean", num_tokens=num_tokens)
-    pg_tok, clipped = get_policy_loss(loss)(logp, old_logp, advantages, clip_eps=clip_eps,
-                                            clip_eps_high=clip_eps_high)
+    pg_tok, clipped = get_policy_loss(loss)(logp, old_logp, advantages, mask=mask, clip_eps=clip_eps,
+                                            clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c)
+    if is_weights is not None:
+        pg_tok = pg_tok * is_weights.detach()
     pg = aggregate(pg_tok, mask, **agg)
     total = pg
     metrics: dict[str, Tensor] = {"pg_loss": pg.detach()}
@@ -180,7 +236,8 @@ def compute_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tenso
 
 def loss_options(algo: AlgoConfig) -> dict[str, Any]:
     """The keyword arguments of :func:`compute_loss` taken from an ``AlgoConfig``."""
-    keys = ("loss", "clip_eps", "clip_eps_high", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
+    keys = ("loss", "clip_eps", "clip_eps_high", "dual_clip_c", "kl_coef", "kl_estimator", "entropy_coef",
+            "loss_agg")
     return {k: getattr(algo, k) for k in keys}
 
 
@@ -192,3 +249,22 @@ def validate_options(algo: AlgoConfig) -> None:
     if algo.clip_eps < 0 or (algo.clip_eps_high is not None and algo.clip_eps_high < 0):
         raise UserError(f"algo.clip_eps / algo.clip_eps_high must be >= 0 (got {algo.clip_eps}, "
                         f"{algo.clip_eps_high})")
+    if algo.dual_clip_c is not None and not algo.dual_clip_c > 1.0:
+        raise UserError(f"algo.dual_clip_c must be > 1 (got {algo.dual_clip_c}); typical is 3, or null to disable")
+
+
+def require_single_step(backend: str, train: Any, algo: AlgoConfig) -> None:
+    """For a trainer that implements only one optimizer step per batch with the plain loss: name every
+    option it would otherwise ignore silently."""
+    ignored = []
+    if train.mini_batches != 1 or train.ppo_epochs != 1:
+        ignored.append(f"train.mini_batches={train.mini_batches} / train.ppo_epochs={train.ppo_epochs}")
+    if algo.mismatch_correction != "none":
+        ignored.append(f"algo.mismatch_correction={algo.mismatch_correction}")
+    if algo.kl_reward_coef > 0:
+        ignored.append("algo.kl_reward_coef > 0 (needs a reference model)")
+    if algo.loss_agg == "group_mean_token_mean":
+        ignored.append("algo.loss_agg=group_mean_token_mean")
+    if ignored:
+        raise UserError(f"the {backend} trainer does not support {'; '.join(ignored)} yet; "
+                        "use train.backend=fsdp2 or leave these at their defaults")

@@ -159,7 +159,8 @@ class SessionHistory:
         if pending.observation:
             b.traj.append_observation(pending.observation, turn)
         aborted = c.finish_reason is FinishReason.ABORT
-        b.traj.append_model(c.output_ids, c.output_logprobs, c.weight_version, turn, trainable=not aborted)
+        b.traj.append_model(c.output_ids, c.output_logprobs, c.weight_version, turn, trainable=not aborted,
+                            version_starts=c.meta.get("weight_versions"))
         # The latest call's routing covers the whole branch (its input was the branch's every token).
         routing = c.routed_experts
         b.traj.routed_experts = routing if routing is not None and len(routing) == len(b.traj.tokens) - 1 else None

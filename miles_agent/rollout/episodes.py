@@ -50,8 +50,8 @@ class EpisodeRunner:
                 self.stats.sandbox_errors += 1
             else:
                 if all(t.status is not Status.ABORTED for t in trajs):
-                    for t in trajs:
-                        t.group_id = group_id
+                    for t in trajs:  # branches of one episode: one sample in the group statistics
+                        t.group_id, t.episode_id = group_id, trajs[0].uid
                         t.metadata["attempts"] = attempt + 1
                     return trajs
                 last_error = "generation aborted"

@@ -73,3 +73,40 @@ def test_per_token_broadcasts_over_every_response_position() -> None:
     assert token_advantages(trajs, "grpo", normalize_std=False) == rows
     with pytest.raises(ValueError):
         per_token(trajs, adv[:2])
+
+
+# -- one episode, several trajectories (branches) -------------------------------------------------
+
+def test_branches_of_one_episode_count_once_and_share_its_advantage() -> None:
+    # group a: episode e1 has two branches (rewards 1 and 1), e2 has 0, e3 has 2; group b: f1 (3), f2 (1)
+    rewards = [1.0, 1.0, 0.0, 2.0, 3.0, 1.0]
+    groups = ["a", "a", "a", "a", "b", "b"]
+    episodes = ["e1", "e1", "e2", "e3", "f1", "f2"]
+    adv = grpo(rewards, groups, normalize_std=False, episode_ids=episodes)
+    # a's episode rewards (1, 0, 2): mean 1 -> e1 (both branches) 0, e2 -1, e3 +1; b: mean 2 -> +1, -1
+    assert adv == pytest.approx([0.0, 0.0, -1.0, 1.0, 1.0, -1.0])
+    std_a = math.sqrt(2 / 3)
+    normed = grpo(rewards, groups, episode_ids=episodes)
+    assert normed[:4] == pytest.approx([0.0, 0.0, -1 / (std_a + 1e-6), 1 / (std_a + 1e-6)])
+
+
+def test_branch_rewards_are_averaged_per_episode() -> None:
+    # e1's branches scored 1 and 0 -> the episode counts once with 0.5; e2 scored 0, e3 scored 1
+    rewards, groups = [1.0, 0.0, 0.0, 1.0], ["g"] * 4
+    episodes = ["e1", "e1", "e2", "e3"]
+    mean = (0.5 + 0.0 + 1.0) / 3
+    assert grpo(rewards, groups, normalize_std=False, episode_ids=episodes) == pytest.approx(
+        [0.5 - mean, 0.5 - mean, -mean, 1.0 - mean])
+    # without episode ids each branch is a sample: mean of the 4 rewards is 0.5
+    assert grpo(rewards, groups, normalize_std=False) == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    # RLOO over episodes: e1 = 0.5 - (0 + 1)/2 = 0, e2 = 0 - 0.75, e3 = 1 - 0.25
+    assert rloo(rewards, groups, episode_ids=episodes) == pytest.approx([0.0, 0.0, -0.75, 0.75])
+
+
+def test_sample_advantages_use_the_trajectory_episode_id() -> None:
+    a, b, c = _traj(1.0, "g"), _traj(1.0, "g"), _traj(0.0, "g")
+    b.episode_id = a.episode_id  # b is a branch of a's episode
+    assert c.episode_id == c.uid  # the default: its own episode
+    assert sample_advantages([a, b, c], "grpo", normalize_std=False) == pytest.approx([0.5, 0.5, -0.5])
+    with pytest.raises(ValueError, match="episode ids"):
+        grpo([1.0, 0.0], ["g", "g"], episode_ids=["x"])

@@ -13,11 +13,16 @@ from miles_agent.algorithms.losses import (
     aggregate,
     compute_loss,
     count_seqs,
+    group_row_weights,
+    gspo,
     k1,
     k2,
     k3,
     ppo_clip,
+    require_single_step,
+    validate_options,
 )
+from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
 
 # ratios: row 0 = 1.5 (A=+1, clipped high), 0.5 (A=-1, clipped low), 1.0 (A=2);
@@ -128,3 +133,72 @@ def test_extreme_log_ratio_stays_finite() -> None:
     loss, _ = compute_loss(logp, old, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
+# -- dual clip, GSPO, group-level aggregation, mismatch weights -------------------------------------
+
+def test_dual_clip_caps_the_loss_of_negative_advantages() -> None:
+    ratio = torch.tensor([[3.0, 1.5, 3.0]])
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    logp = (OLD[:1] + ratio.log()).requires_grad_(True)
+    per_tok, clipped = ppo_clip(logp, OLD[:1], adv, clip_eps=0.2, dual_clip_c=2.0)
+    # ratio 3, A=-1: plain PPO gives 3, dual clip caps it at -c*A = 2; ratio 1.5 stays 1.5; A>0 untouched
+    assert per_tok[0].tolist() == pytest.approx([2.0, 1.5, -1.2])
+    assert clipped[0].tolist() == [1.0, 0.0, 1.0]
+    per_tok.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 1.5, 0.0])
+    plain, _ = ppo_clip(logp, OLD[:1], adv, clip_eps=0.2)
+    assert float(plain[0, 0].detach()) == pytest.approx(3.0)
+    with pytest.raises(UserError, match="dual_clip_c"):
+        validate_options(AlgoConfig(dual_clip_c=0.5))
+
+
+def test_gspo_uses_the_geometric_mean_sequence_ratio() -> None:
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.2, -0.1, 5.0], [0.0, 0.6, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([[1.0] * 3, [1.0] * 3])
+    per_tok, clipped = gspo(logp, old, adv, mask=mask, clip_eps=0.2)
+    s0, s1 = math.exp(0.05), math.exp(0.3)  # the masked 5.0 does not count
+    assert per_tok[0, :2].tolist() == pytest.approx([-s0, -s0])
+    assert per_tok[1, :2].tolist() == pytest.approx([-1.2, -1.2])  # s1 = 1.35 clipped at 1.2
+    assert clipped[:, :2].tolist() == [[0.0, 0.0], [1.0, 1.0]]
+    loss, m = compute_loss(logp, old, adv, mask, loss="gspo", clip_eps=0.2, loss_agg="seq_mean_token_mean")
+    assert float(loss.detach()) == pytest.approx((-s0 - 1.2) / 2)
+    assert float(m["clipfrac"]) == pytest.approx(0.5)
+    loss.backward()
+    # the sequence-level objective -(1/2) * s0 * A: d/dlogp_t = -(1/2) * s0 * (1/2)
+    assert logp.grad[0].tolist() == pytest.approx([-s0 / 4, -s0 / 4, 0.0])
+    assert logp.grad[1].tolist() == pytest.approx([0.0, 0.0, 0.0])
+    assert s1 > 1.2
+
+
+def test_group_mean_token_mean_weighs_groups_equally() -> None:
+    values = torch.tensor([[1.0, 3.0], [5.0, 0.0], [2.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    w = group_row_weights(["a", "a", "b"], [2, 1, 2])
+    assert w == pytest.approx([1 / 6, 1 / 6, 1 / 4])
+    # group a: (1 + 3 + 5) / 3 = 3; group b: (2 + 6) / 2 = 4; mean over groups 3.5
+    got = aggregate(values, mask, "group_mean_token_mean", row_weights=torch.tensor(w))
+    assert float(got) == pytest.approx(3.5)
+    # split by rows (a micro-batch per row), the parts sum to the whole
+    parts = [aggregate(values[i:i + 1], mask[i:i + 1], "group_mean_token_mean", row_weights=torch.tensor(w[i:i + 1]))
+             for i in range(3)]
+    assert float(sum(parts)) == pytest.approx(3.5)
+    assert group_row_weights(["a", "b"], [0, 4]) == [0.0, 0.25]  # a group with no trainable token does not count
+
+
+def test_is_weights_multiply_the_policy_loss_only() -> None:
+    w = torch.tensor([[2.0, 0.0, 1.0], [0.5, 1.0, 1.0]])
+    per_tok, _ = ppo_clip(LOGP, OLD, ADV)
+    loss, m = compute_loss(LOGP, OLD, ADV, MASK, is_weights=w, ref_logp=OLD, kl_coef=0.1)
+    pg = float((per_tok * w * MASK).sum() / 5)
+    assert float(m["pg_loss"]) == pytest.approx(pg)
+    assert float(loss) == pytest.approx(pg + 0.1 * float(m["kl"]))
+
+
+def test_single_step_backends_name_the_options_they_would_ignore() -> None:
+    require_single_step("megatron", TrainConfig(), AlgoConfig(loss="gspo", dual_clip_c=3.0))
+    with pytest.raises(UserError, match="mini_batches=2.*mismatch_correction=tis.*train.backend=fsdp2"):
+        require_single_step("megatron", TrainConfig(mini_batches=2),
+                            AlgoConfig(mismatch_correction="tis", use_rollout_logprobs=False))

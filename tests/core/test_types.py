@@ -27,6 +27,16 @@ def test_valid_trajectory_round_trips():
     assert u.to_dict() == t.to_dict()
 
 
+def test_episode_id_defaults_to_uid_and_old_dumps_still_load():
+    t = make()
+    assert t.episode_id == t.uid
+    t.episode_id = "ep-7"
+    assert Trajectory.from_dict(t.to_dict()).episode_id == "ep-7"
+    old = t.to_dict()
+    del old["episode_id"]  # a dump written before the field existed: each trajectory its own episode
+    assert Trajectory.from_dict(old).episode_id == t.uid
+
+
 @pytest.mark.parametrize("breakage, message", [
     (lambda t: t.loss_mask.__setitem__(2, 1), "did not sample"),
     (lambda t: t.rollout_logprobs.pop(), "rollout_logprobs has"),
@@ -50,3 +60,14 @@ def test_aborted_needs_no_reward_and_untrainable_span_is_allowed():
     t.append_model([2, 3], [-1.0, -1.0], weight_version=0, turn=0, trainable=False)
     t.status = Status.ABORTED
     assert t.validate().loss_mask == [0, 0]
+
+
+def test_a_turn_sampled_by_two_weight_versions_becomes_one_span_per_version():
+    t = Trajectory(prompt_ids=[1])
+    t.append_model([4, 5], [-0.1, -0.2], weight_version=0, turn=0, version_starts=[(0, 0)])
+    t.append_model([6, 7, 8, 9], [-0.3] * 4, weight_version=2, turn=1, version_starts=[(1, 0), (2, 3)])
+    t.reward = 0.0
+    t.validate()
+    assert [(s.start, s.end, s.weight_version) for s in t.spans] == [(0, 2, 0), (2, 5, 1), (5, 6, 2)]
+    assert t.weight_versions == [0, 1, 2] and t.num_turns == 2
+    assert Trajectory.from_dict(t.to_dict()).spans == t.spans

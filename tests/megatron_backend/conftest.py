@@ -25,7 +25,8 @@ def megatron_single_rank():
     from miles_agent.trainers.megatron import cpu_compat
 
     warnings.filterwarnings("ignore", message="Apex is not installed")
-    assert not dist.is_initialized(), "another test left a process group behind"
+    if dist.is_initialized():  # a group some earlier in-process test did not close: it owns nothing now
+        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     cpu_compat.enable()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -20,7 +21,7 @@ PROMPTS = [[11, 12, 13, 14], [21, 22], [31, 32, 33], [41, 42, 43, 44, 45]]
 
 
 def make_trainer(arch: str = "tiny-qwen3", temperature: float = 1.0, **overrides: object) -> FSDP2Trainer:
-    train_keys = {"lr", "micro_batch_tokens", "grad_clip", "weight_decay", "adam_eps"}
+    train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
     train = TrainConfig(**{"lr": 1e-3, **{k: v for k, v in overrides.items() if k in train_keys}})
     algo = AlgoConfig(**{k: v for k, v in overrides.items() if k not in train_keys})
     model, tok = build_tiny(arch, seed=0)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_agent.algorithms.losses import compute_loss, loss_options, validate_options
+from miles_agent.algorithms.losses import compute_loss, loss_options, require_single_step, validate_options
 from miles_agent.atomic import replace_dir
 from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_agent.errors import UserError, require
@@ -57,6 +57,7 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         validate_options(algo)
+        require_single_step("megatron", train, algo)
         if algo.kl_coef > 0:
             raise UserError("algo.kl_coef > 0 needs a reference model, which the Megatron backend does not "
                             "keep yet; use train.backend=fsdp2 or algo.kl_coef=0")
