@@ -47,3 +47,16 @@ class HarborEnv(ExternalEnvironment):
 
     def side_config(self) -> dict[str, Any]:  # the shipped example task folder, our local provider and agent
         return {"tasks_dir": str(ADAPTERS / "examples" / "harbor_tasks"), "max_turns": 3}
+
+
+class HudEnv(ExternalEnvironment):
+    name = "hud"
+    description = "HUD (hud 0.6) task templates served locally, played by HUD's OpenAI-compatible agent."
+    # PyPI renamed the SDK: `hud-python` 0.6.10 is only a stub that tells you to install `hud`.
+    requirements: ClassVar[tuple[str, ...]] = ("hud==0.6.10",)
+    adapter_script = "hud_side.py"
+
+    def side_config(self) -> dict[str, Any]:  # the shipped example environment and its task rows
+        words = ("apple", "river", "cloud", "stone")
+        return {"env_file": str(ADAPTERS / "examples" / "hud_spell" / "env.py"), "max_steps": 2, "max_tokens": 24,
+                "tasks": [{"template": "spell", "args": {"word": w}} for w in words]}

@@ -10,9 +10,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from miles_agent.envs.external.adapters import HarborEnv, OpenEnvEnv, VerifiersEnv
+from miles_agent.envs.external.adapters import HarborEnv, HudEnv, OpenEnvEnv, VerifiersEnv
 
-ALL = {cls.name: cls for cls in (OpenEnvEnv, VerifiersEnv, HarborEnv)}
+ALL = {cls.name: cls for cls in (OpenEnvEnv, VerifiersEnv, HarborEnv, HudEnv)}
 
 
 def prepare(name: str) -> str:

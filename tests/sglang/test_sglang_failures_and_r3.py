@@ -133,3 +133,47 @@ def test_routed_experts_decoding_exactly():
         decode_routed_experts(data, rows=8, top_k=2)
     with pytest.raises(GenerateResponseError, match="layers x top_k"):
         decode_routed_experts(data, rows=9, top_k=4)
+
+
+def test_routed_experts_decoded_from_generate_replay_in_the_trainer(start_fake):
+    """R3 end to end over HTTP: the ids SGLang's /generate returns drive the FSDP2 trainer's routers."""
+    import torch
+
+    from miles_agent.config import AlgoConfig, TrainConfig
+    from miles_agent.trainers import routing_replay
+    from miles_agent.trainers.fsdp2 import FSDP2Trainer
+    from miles_agent.types import Trajectory
+
+    server = start_fake("tiny-qwen3-moe", "--ignore-eos")
+    model, tok = tiny("tiny-qwen3-moe")
+    client = SGLangEngine(server.url, routed_top_k=model.config.num_experts_per_tok)
+
+    async def sample():
+        try:
+            return await client.generate(PROMPT, SamplingParams(max_new_tokens=12, temperature=1.0, seed=3),
+                                         return_routed_experts=True)
+        finally:
+            await client.shutdown()
+    out = asyncio.run(sample())
+    traj = Trajectory(prompt_ids=list(PROMPT))
+    traj.append_model(list(out.output_ids), list(out.output_logprobs), weight_version=out.weight_version, turn=0)
+    traj.routed_experts = out.routed_experts
+    traj.reward = 1.0
+    traj.validate()
+
+    import copy
+
+    trainer = FSDP2Trainer(copy.deepcopy(model), tok, TrainConfig(), AlgoConfig(routing_replay=True))
+    try:
+        used = []
+        hooks = [r.register_forward_hook(lambda m, a, o: used.append(o[2].clone()))
+                 for r in routing_replay.moe_routers(trainer.model)]
+        (logps,) = trainer.compute_logprobs([traj])
+        for h in hooks:
+            h.remove()
+    finally:
+        trainer.close()
+    used_ids = torch.stack(used, dim=1)[: len(traj.tokens) - 1]  # [positions, layers, top_k]
+    # each token is routed to exactly the experts the server reported, whatever its order within top-k
+    assert torch.equal(used_ids.sort(-1).values, torch.from_numpy(out.routed_experts).long().sort(-1).values)
+    assert logps == pytest.approx(out.output_logprobs, abs=1e-4)
