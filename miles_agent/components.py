@@ -47,6 +47,11 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
         from miles_agent.runtime import launch
 
         return launch.build_engines(cfg, model, tokenizer)
+    if _on_ray(cfg) and cfg.rollout.engine == "sglang" and not cfg.sglang.external_urls:
+        from miles_agent.runtime.launch import session
+        from miles_agent.runtime.sglang_actor import build_sglang_actor_engines
+
+        return build_sglang_actor_engines(cfg, model, tokenizer, session(cfg))  # one server actor per bundle
     if cfg.rollout.engine == "sglang":
         from miles_agent.rollout.sglang import build_sglang_engines
 

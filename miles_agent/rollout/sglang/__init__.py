@@ -27,19 +27,28 @@ def launch_args(sg: Any) -> dict[str, Any]:
     return args
 
 
+def client_options(cfg: Any, model: Any = None) -> dict[str, Any]:
+    sg = cfg.sglang
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    return dict(request_timeout_s=sg.request_timeout_s, control_timeout_s=sg.control_timeout_s,
+                routed_top_k=int(top_k) if top_k else None)
+
+
+def model_folder(cfg: Any, model: Any = None, tokenizer: Any = None) -> str:
+    """The HF folder servers load: ``model.hf_checkpoint``, or the run's initial policy written once."""
+    return cfg.model.hf_checkpoint or _save_initial(cfg, model, tokenizer)
+
+
 def build_sglang_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> list[Any]:
-    from miles_agent.rollout.sglang import router
     from miles_agent.rollout.sglang.client import SGLangEngine
     from miles_agent.rollout.sglang.server import DEFAULT_LAUNCH, SGLangServer, free_port, server_argv
 
     sg = cfg.sglang
-    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
-    client = dict(request_timeout_s=sg.request_timeout_s, control_timeout_s=sg.control_timeout_s,
-                  routed_top_k=int(top_k) if top_k else None)
+    client = client_options(cfg, model)
     if sg.external_urls:
         engines = [SGLangEngine(url, **client) for url in sg.external_urls]
     else:
-        model_path = cfg.model.hf_checkpoint or _save_initial(cfg, model, tokenizer)
+        model_path = model_folder(cfg, model, tokenizer)
         engines = []
         try:
             for i in range(sg.num_servers):
@@ -55,7 +64,15 @@ def build_sglang_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> 
             for e in engines:
                 e.process.stop()
             raise
-    # Episodes go through engines[0] (the loop's policy): it spreads requests over every server, or the router.
+    return connect_clients(cfg, engines)
+
+
+def connect_clients(cfg: Any, engines: list[Any]) -> list[Any]:
+    """Episodes go through engines[0] (the loop's policy): it spreads requests over every server, or
+    through the router, with which every server is registered."""
+    from miles_agent.rollout.sglang import router
+
+    sg = cfg.sglang
     targets = [sg.router_url] if sg.router_url else [e.url for e in engines]
     for e in engines:
         e.generate_urls = [t.rstrip("/") for t in targets]

@@ -2,9 +2,9 @@
 
 `SGLangServer` owns one server process: argv from a plain dict of SGLang server arguments (any argument
 passes through verbatim: ``{"tp_size": 2}`` -> ``--tp-size 2``), its own process group (so TP workers die
-with it), a log file, readiness by ``/health_generate``, restart when it died. The Ray plumbing is not
-on main yet; this class is the seam: a Ray actor that owns an `SGLangServer` (start / alive / stop /
-restart) puts the servers on the cluster's GPU nodes with no change to the client.
+with it), a log file, readiness by ``/health_generate``, restart when it died. In one process the driver
+owns the servers; under ``cluster.mode=ray`` each is owned by an actor in its engine bundle
+(miles_agent/runtime/sglang_actor.py), with no change to the client.
 """
 
 from __future__ import annotations
