@@ -25,6 +25,7 @@ import posixpath
 import random
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -129,22 +130,27 @@ class RemoteSandbox(Sandbox):
 
     # -- backend hooks (sync, run in a worker thread) ----------------------------------------------
 
+    @abstractmethod
     def _create(self, spec: SandboxSpec) -> None:
         """Create and start the sandbox; set ``self.handle`` the moment the service has one."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _exec(self, command: str, timeout_s: float, cwd: str, env: dict[str, str]) -> ExecResult:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _read(self, path: str) -> bytes:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _write(self, path: str, content: bytes) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _destroy(self, handle: Any) -> None:
         """Remove the sandbox for good; a sandbox that is already gone is success."""
-        raise NotImplementedError
+        ...
 
     def _classify(self, exc: BaseException) -> tuple[str | None, float | None]:
         """(kind, retry_after) of an SDK exception: kind is "rate_limit", "transient", "auth" or None."""

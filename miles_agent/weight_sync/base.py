@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
-class EngineTransport:
+class EngineTransport(ABC):
     """Base of the transports that drive `WeightReceiver` engines; subclasses implement ``_send``."""
 
     kind = "base"
@@ -68,11 +69,12 @@ class EngineTransport:
             compare_checksums(expected, reply["checksums"], engine=f"engine {i} ({self.kind} transport)",
                               version=version)
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook: most transports hold nothing
         """Release what the transport holds (groups, buffers); the engines stay up."""
 
+    @abstractmethod
     async def _send(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        raise NotImplementedError
+        ...
 
     def _mapped(self, named_tensors: Iterable[tuple[str, torch.Tensor]], expected: dict[str, str] | None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
