@@ -168,27 +168,22 @@ class ProxyServer:
 
     async def _chat(self, session: Session, request: Any) -> Any:
         req = parse_chat_request(await _body(request))
-        turn = await session.chat(req)
-        model = req.model or self.model_name
-        if req.stream:
-            return await _stream(request, responses.chat_chunks(turn, model, req.logprobs, req.include_usage,
-                                                                self.tokenizer))
-        from aiohttp import web
-
-        return web.json_response(responses.chat_completion(turn, model, req.logprobs, self.tokenizer),
-                                 dumps=_dumps)
+        return await self._reply(request, req, await session.chat(req), responses.chat_completion,
+                                 responses.chat_chunks)
 
     async def _completions(self, session: Session, request: Any) -> Any:
         req = parse_completion_request(await _body(request))
-        turn = await session.complete(req)
+        return await self._reply(request, req, await session.complete(req), responses.text_completion,
+                                 responses.text_chunks)
+
+    async def _reply(self, request: Any, req: Any, turn: Any, whole: Any, chunks: Any) -> Any:
+        """One finished turn as a JSON body, or replayed as SSE chunks when the client asked to stream."""
         model = req.model or self.model_name
         if req.stream:
-            return await _stream(request, responses.text_chunks(turn, model, req.logprobs, req.include_usage,
-                                                                self.tokenizer))
+            return await _stream(request, chunks(turn, model, req.logprobs, req.include_usage, self.tokenizer))
         from aiohttp import web
 
-        return web.json_response(responses.text_completion(turn, model, req.logprobs, self.tokenizer),
-                                 dumps=_dumps)
+        return web.json_response(whole(turn, model, req.logprobs, self.tokenizer), dumps=_dumps)
 
     async def _env_task(self, session: Session, request: Any) -> Any:
         from aiohttp import web

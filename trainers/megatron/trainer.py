@@ -30,22 +30,12 @@ from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_agent.errors import UserError, require
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
+from miles_agent.trainers.fsdp2 import init_distributed
 from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.trainers.megatron import bridge
 from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded_vocab
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
 from miles_agent.types import Trajectory
-
-
-def _init_process_group(device: torch.device) -> bool:
-    if dist.is_initialized():
-        return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        dist.init_process_group(backend=backend)
-    else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    return True
 
 
 class MegatronTrainer:
@@ -74,7 +64,7 @@ class MegatronTrainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._owns_group = _init_process_group(self.device)
+        self._owns_group = init_distributed(self.device, train.world_size)  # the FSDP2 backend's join-or-create
         self.spec = bridge.arch_spec(model.config)
         self.sizes.check(self.spec, dist.get_world_size())
         if not ps.model_parallel_is_initialized():
