@@ -112,7 +112,8 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
-        # R3: episodes call the engine through a recorder of routed experts, attached to each batch
+        # R3: episodes call the engine through a recorder of routed experts; the scheduler attaches them
+        # to each episode as it ends (routing/* metrics)
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
         self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
                                           seed=cfg.run.seed, policy=self.routing)
@@ -160,8 +161,6 @@ class Run:
                     progress.phase("rollout", total=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
                 t0 = time.perf_counter()
                 trajs, sched_metrics = await self.scheduler.next_batch(version=self.step)
-                if self.routing is not None:
-                    self.routing.attach(trajs)
                 t1 = time.perf_counter()
                 trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
                 if not trainable:
