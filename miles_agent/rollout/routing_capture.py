@@ -11,7 +11,10 @@ Which call's rows: each row comes from the first call that ran that token throug
 call that sampled the tokens right after it. A later turn re-runs the whole history, and when the
 weights changed between turns (async mode) its routing of the earlier turns is that of the newer
 weights, not the one that gave those turns' logprobs; replaying the first call's rows keeps every
-sampled token on the routing that sampled it. Within one call the engine's own rows are used as they
+sampled token on the routing that sampled it. (One forward replays one routing per token, so the later
+turns' context then differs from their own call's; that costs far less: with an update between two
+turns, the replayed logprobs are ~1500x closer to each call's own routing than with the last call's
+rows, ``python bench/routing_replay_turns.py``.) Within one call the engine's own rows are used as they
 are: a request the weights changed under keeps its old rows for tokens before the update
 (``partial_rollout=keep``), a retracted one returns its re-prefill's rows (``retract``). Tokens after
 the last model span (a final observation) were never routed; their rows are -1, which the trainer's
