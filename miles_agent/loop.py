@@ -112,11 +112,10 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
-        # R3: episodes call the engine through a recorder of routed experts; the scheduler attaches them
-        # to each episode as it ends (routing/* metrics)
+        # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
         self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
-                                          seed=cfg.run.seed, policy=self.routing)
+                                          seed=cfg.run.seed, routing=self.routing)
         self.group_filter = None
         if cfg.algo.dynamic_sampling:  # DAPO: uninformative groups are replaced by fresh tasks
             from miles_agent.algorithms.dynamic_sampling import InformativeGroupFilter

@@ -21,9 +21,10 @@ weights) or dropped, per ``rollout.stale``, and counted either way. A sample rec
 that can never finish within the bound (a task slower than ``max_staleness`` weight updates) must not
 be re-run forever.
 
-R3 (``algo.routing_replay``): episodes call the engine through a `RoutingCapture`; each finished
-episode gets its routed experts the moment it ends (so they are saved with it in a checkpoint), and
-calls no trainable sample can use any more are forgotten as versions advance.
+R3 (``algo.routing_replay``): each episode attempt calls the engine through its own routing recorder
+(`RoutingCapture.episode`); a finished episode gets its routed experts the moment it ends (so they are
+saved with it in a checkpoint, and nothing is held for it while it waits for its batch), and the
+recorder of any attempt is dropped when the attempt ends.
 
 A group is one task played ``samples_per_prompt`` times, named by its position in the task stream.
 Batches are whole groups: in sync and one-step-off mode exactly the next ``prompts_per_step``
@@ -128,13 +129,14 @@ class RolloutScheduler:
     """Feeds the driver loop whole groups of trajectories, in the configured mode (module docstring)."""
 
     def __init__(self, runner: EpisodeRunner, sampler: TaskSampler, engine: RolloutEngine,
-                 engines: list[RolloutEngine], cfg: Any, seed: int, policy: Policy | None = None) -> None:
+                 engines: list[RolloutEngine], cfg: Any, seed: int, policy: Policy | None = None,
+                 routing: RoutingCapture | None = None) -> None:
         check_config(cfg)
         self.runner, self.sampler, self.engine, self.engines = runner, sampler, engine, engines
-        self.policy = policy or engine  # what episodes call (the engine, or a wrapper such as R3's recorder)
+        self.policy = policy or engine  # what episodes call (with R3, through a recorder of routing.policy)
+        self.routing = routing
         self.mode, self.stale, self.max_staleness = cfg.mode, cfg.stale, cfg.max_staleness
         self.max_recycles = cfg.max_recycles
-        self.routing = policy if isinstance(policy, RoutingCapture) else None
         self.pause_mode = PAUSE_MODES[cfg.partial_rollout]
         self.per_batch, self.samples = cfg.prompts_per_step, cfg.samples_per_prompt
         self.lookahead = {"sync": 0, "one_step_off": 1, "async": cfg.max_staleness}[cfg.mode]
@@ -188,7 +190,6 @@ class RolloutScheduler:
         finally:
             for e in self.engines:
                 await e.resume()
-        self._forget_routing()
         self._top_up()
 
     async def close(self) -> None:
@@ -232,18 +233,22 @@ class RolloutScheduler:
         slot = group.slots[i]
         try:
             while not slot.settled:
-                policy = EpisodePolicy(self.policy, (self.seed, group.position, i, slot.runs), epoch=lambda: self._epoch,
-                                       version=lambda: self.engine.weight_version, max_staleness=self.max_staleness)
+                recorder = self.routing.episode() if self.routing is not None else None
+                policy = EpisodePolicy(recorder or self.policy, (self.seed, group.position, i, slot.runs),
+                                       epoch=lambda: self._epoch, version=lambda: self.engine.weight_version,
+                                       max_staleness=self.max_staleness)
                 try:
                     async with self._sem:
                         slot.result = await self.runner.run(group.task, policy, group.group_id)
-                    if self.routing is not None:
-                        self.routing.attach(slot.result)
+                    if recorder is not None:
+                        recorder.attach(slot.result)
                 except Preempted:
                     self.counts["preempted"] += 1
                 except StaleEpisode:
                     self._count_stale(slot)
-                self._forget_routing()
+                finally:
+                    if recorder is not None:
+                        recorder.discard()  # whatever ended the attempt, its calls are of no further use
                 if not slot.settled:
                     slot.runs += 1
         except asyncio.CancelledError:
@@ -265,11 +270,6 @@ class RolloutScheduler:
         else:
             slot.recycles += 1
             self.counts["stale_recycled"] += 1
-
-    def _forget_routing(self) -> None:
-        """R3 records of calls first sampled more than max_staleness versions ago serve no trainable sample."""
-        if self.routing is not None:
-            self.routing.forget_older_than(int(self.engine.weight_version) - self.max_staleness)
 
     # -- picking a batch ------------------------------------------------------------------------------
     def _pick(self, version: int) -> list[Group] | None:

@@ -63,7 +63,7 @@ def test_episodes_in_flight_across_batches_and_updates_keep_their_routing(tiny_m
     cfg = RolloutConfig(prompts_per_step=2, samples_per_prompt=2, concurrency=4, mode="async", max_staleness=1,
                         partial_rollout=partial)
     sched = RolloutScheduler(EpisodeRunner(env, TwoTurns()), TaskSampler(env.tasks(), seed=0), engine, [engine],
-                             cfg, seed=0, policy=capture)
+                             cfg, seed=0, routing=capture)
 
     async def main():
         batch0, m0 = await sched.next_batch(version=0)  # batch 1's episodes start as batch 0's finish
@@ -100,10 +100,9 @@ def test_episodes_in_flight_across_batches_and_updates_keep_their_routing(tiny_m
     assert rerun_differs == (4 if partial == "keep" else 0)
 
 
-def test_routing_of_abandoned_attempts_is_forgotten_once_too_old(tiny_models):
+def test_routing_of_an_abandoned_attempt_is_freed_when_it_ends(tiny_models):
     """partial_rollout=abort restarts episodes whose second turn an update cut: their first turn's call
-    is never attached. It is kept while a sample of its version could still train (max_staleness=1),
-    and forgotten at the next update."""
+    is never attached, and is dropped with the attempt; the restarted episode records its own."""
     model, tok = tiny_models["tiny-qwen3-moe"]
     engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=16)
     engine.eos_ids = frozenset()
@@ -113,27 +112,23 @@ def test_routing_of_abandoned_attempts_is_forgotten_once_too_old(tiny_models):
     cfg = RolloutConfig(prompts_per_step=2, samples_per_prompt=2, concurrency=4, mode="async", max_staleness=1,
                         partial_rollout="abort")
     sched = RolloutScheduler(EpisodeRunner(env, harness), TaskSampler(env.tasks(), seed=0), engine, [engine],
-                             cfg, seed=0, policy=capture)
-
-    async def push(version, weights):
-        async with sched.weight_update():
-            await InProcessTransport([engine]).push(weights.state_dict().items(), version=version)
+                             cfg, seed=0, routing=capture)
 
     async def main():
         await sched.next_batch(version=0)
         while len(harness.second_turns) <= 4:  # a batch-1 episode is in its second turn
             await asyncio.sleep(0.001)
-        await push(1, other)  # ... and is aborted there: its first turn's call is left behind
+        held = capture.stored_calls  # that episode's first call, at least
+        async with sched.weight_update():  # ... and it is aborted there
+            await InProcessTransport([engine]).push(other.state_dict().items(), version=1)
         batch1, m1 = await sched.next_batch(version=1)
-        await sched._drain()  # every episode launched so far has finished and taken its calls
-        kept = capture.stored_calls
-        await push(2, model)
+        await sched._drain()  # every episode launched so far has ended
+        left = capture.stored_calls
         await sched.close()
         await engine.shutdown()
-        return batch1, m1, kept, capture.stored_calls
+        return batch1, m1, held, left
 
-    batch1, m1, kept, after = asyncio.run(main())
-    assert m1["preempted"] >= 1 and m1["routing/missing"] == 0 and len(batch1) == 4
+    batch1, m1, held, left = asyncio.run(main())
+    assert held >= 1 and m1["preempted"] >= 1 and m1["routing/missing"] == 0 and len(batch1) == 4
     assert all(t.weight_versions == [1, 1] for t in batch1)  # the restarted attempts ran on version 1
-    assert 1 <= kept <= m1["preempted"]  # one abandoned first-turn call per attempt cut in its second turn
-    assert after == 0
+    assert left == 0  # nothing kept for the aborted attempts, nor for finished episodes
