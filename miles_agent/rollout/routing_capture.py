@@ -86,7 +86,8 @@ class EpisodeRouting:
         if c.routed_experts is not None and c.finish_reason is not FinishReason.ABORT:  # aborted: never used
             prev = self._continued(input_ids)
             start = 0 if prev is None else len(prev.key) - 1  # prev's last sampled token: it never ran it
-            self.calls.append(_Call(tuple(input_ids) + tuple(c.output_ids), c.routed_experts[start:], start, prev,
+            routed = c.routed_experts[start:].copy() if start else c.routed_experts  # a view would keep it all
+            self.calls.append(_Call(tuple(input_ids) + tuple(c.output_ids), routed, start, prev,
                                     int(c.weight_version)))
             self.capture.shape = c.routed_experts.shape[1:]
         return c if return_routed_experts else _without_routing(c)

@@ -139,7 +139,8 @@ def test_a_long_episode_holds_about_one_row_per_token():
     for k in range(turns):
         _turn(recorder, traj, k, observation=[4, 5])
     held = sum(len(c.routed) for c in recorder.calls)
-    assert held == len(traj.tokens) - 3  # not ~turns x tokens / 2: each call keeps only its new rows
+    assert held == len(traj.tokens) - 3  # not ~turns x tokens / 2: each call keeps only its new rows ...
+    assert all(c.routed.base is None for c in recorder.calls[1:])  # ... in arrays of their own
     traj.reward = 0.0
     assert recorder.attach([traj]) == 0
     first_call = traj.routed_experts[:, 0, 1]
