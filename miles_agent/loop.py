@@ -112,10 +112,10 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
-        # R3: episodes call the engine through a recorder of routed experts, attached to each batch
+        # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
         self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
-                                          seed=cfg.run.seed, policy=self.routing)
+                                          seed=cfg.run.seed, routing=self.routing)
         self.group_filter = None
         if cfg.algo.dynamic_sampling:  # DAPO: uninformative groups are replaced by fresh tasks
             from miles_agent.algorithms.dynamic_sampling import InformativeGroupFilter
@@ -160,8 +160,6 @@ class Run:
                     progress.phase("rollout", total=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
                 t0 = time.perf_counter()
                 trajs, sched_metrics = await self.scheduler.next_batch(version=self.step)
-                if self.routing is not None:
-                    self.routing.attach(trajs)
                 t1 = time.perf_counter()
                 trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
                 if not trainable:
