@@ -16,6 +16,7 @@ drives Ray actors later.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import random
@@ -23,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from miles_agent import registry
 from miles_agent.config import Config
@@ -39,6 +42,8 @@ from miles_agent.scheduling import RolloutScheduler, TaskSampler
 from miles_agent.scheduling import check_config as check_scheduling
 from miles_agent.sinks import build_sinks
 from miles_agent.types import Status
+
+ROUTING_FILE = "routing.npz"  # R3 routing of the episodes a checkpoint buffers (miles_agent.scheduling)
 
 
 def build_env(cfg: Config) -> Environment:
@@ -224,12 +229,15 @@ class Run:
     def save_checkpoint(self) -> Path:
         """Trainer state + loop state (scheduler buffer, RNG) in ``checkpoints/step_N``, atomically."""
         counters = {k: v for k, v in vars(self.runner.stats).items() if isinstance(v, int)}
+        arrays: dict[str, Any] = {}  # R3 routing of buffered episodes: a binary file, not JSON
         state = {"step": self.step, "weight_version": self.engine.weight_version, "episode_stats": counters,
-                 "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
+                 "scheduler": self.scheduler.state_dict(arrays), "rng": capture_rng()}
 
         def save_trainer(path: Path) -> None:
             self.trainer.save_checkpoint(path)
             self.batches.save_checkpoint(path.parent)  # the critic, when there is one
+            if arrays:
+                np.savez(path.parent / ROUTING_FILE, **arrays)
 
         return write_checkpoint(self.run_dir / "checkpoints", self.step, save_trainer, state)
 
@@ -240,7 +248,9 @@ class Run:
         self.step = state["step"]
         for name, value in state["episode_stats"].items():  # cumulative counters continue
             setattr(self.runner.stats, name, value)
-        self.scheduler.load_state_dict(state["scheduler"])
+        routing = path / ROUTING_FILE
+        with np.load(routing) if routing.is_file() else contextlib.nullcontext() as arrays:
+            self.scheduler.load_state_dict(state["scheduler"], arrays)
         restore_rng(state["rng"])
         self._resync_version = state["weight_version"]  # pushed to the engine when the loop starts
         # Steps logged after the checkpoint are redone: drop them from the log.

@@ -323,19 +323,20 @@ class RolloutScheduler:
         return out
 
     # -- checkpoint ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Finished episodes in full, unfinished ones as (position, sample, attempts) to regenerate."""
+    def state_dict(self, arrays: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Finished episodes in full, unfinished ones as (position, sample, attempts) to regenerate.
+        With ``arrays``, R3 routing goes there (saved as a binary side file) instead of into the JSON."""
         return {
             "mode": self.mode, "position": self.sampler.position, "consumed": self.consumed,
             "counts": dict(self.counts),
             "groups": [{"position": g.position, "task_id": g.task.id,
                         "slots": [{"runs": s.runs, "recycles": s.recycles, "dropped": s.dropped,
-                                   "result": None if s.result is None else [t.to_dict() for t in s.result]}
+                                   "result": None if s.result is None else [t.to_dict(arrays) for t in s.result]}
                                   for s in g.slots]}
                        for g in sorted(self.groups.values(), key=lambda g: g.position)],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], arrays: Any = None) -> None:
         if state["mode"] != self.mode:
             raise UserError(f"--resume: the checkpoint was written in rollout.mode={state['mode']} but the "
                             f"config says {self.mode}; resume with rollout.mode={state['mode']}")
@@ -349,7 +350,7 @@ class RolloutScheduler:
                                 f"{g['task_id']!r}; the task set changed since the checkpoint -- resume with "
                                 "the same environment and tasks, or start a new run")
             slots = [Slot(runs=s["runs"], recycles=s.get("recycles", 0), dropped=s["dropped"],
-                          result=None if s["result"] is None else [Trajectory.from_dict(t) for t in s["result"]])
+                          result=None if s["result"] is None else [Trajectory.from_dict(t, arrays) for t in s["result"]])
                      for s in g["slots"]]
             self.groups[g["position"]] = Group(g["position"], task, slots)
 
