@@ -55,10 +55,15 @@ class TrainerActor:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
-    def full_weights(self) -> list[tuple[str, Any]] | None:
-        """A collective: every rank gathers; rank 0 returns host copies, the others None."""
-        out = [(n, t.detach().to("cpu", copy=True)) for n, t in self.trainer.named_weights()]
-        return out if self.trainer.rank == 0 else None
+    def full_weights(self) -> Any:
+        """A collective: every rank gathers; rank 0 returns a host copy (`PackedWeights`), the others None."""
+        from miles_agent.runtime.packed_weights import pack_weights
+
+        if self.trainer.rank != 0:
+            for _ in self.trainer.named_weights():
+                pass
+            return None
+        return pack_weights(self.trainer.named_weights())
 
     def broadcast_weights(self, actors: list[Any], version: int, options: dict[str, Any]) -> Any:
         """A collective: every rank gathers; rank 0 broadcasts to the engine ``actors`` and returns (stats,
@@ -144,7 +149,9 @@ class RayTrainerGroup:
         return self._all([a.train_step.remote(ref) for a in self.actors])[0]
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
-        yield from self._all([a.full_weights.remote() for a in self.actors])[0]
+        from miles_agent.runtime.packed_weights import named_tensors
+
+        yield from named_tensors(self._all([a.full_weights.remote() for a in self.actors])[0])
 
     def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
                           ) -> tuple[dict[str, float], Any]:
