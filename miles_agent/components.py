@@ -23,6 +23,9 @@ def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
         from miles_agent.runtime import launch
 
         return launch.build_trainer(cfg, model, tokenizer)
+    from miles_agent.trainers.offload import offload_enabled
+
+    offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)  # true is refused here
     return registry.load("trainers", cfg.train.backend)(
         model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device,
         **trainer_extra(cfg))

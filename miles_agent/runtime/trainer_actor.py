@@ -9,12 +9,21 @@ all ranks (DCP shards) into the run folder, which must be shared when ranks sit 
 
 A rank that dies ends the run with `RunAborted`: the last checkpoint is whole (checkpoints are
 written to a temp folder and renamed), so ``--resume`` continues from it.
+
+Offload (``train.offload``, on by default with ``cluster.colocate``): the ranks hold their device only
+from a train step to the weight gather that follows it. Each rank offloads its parameters, gradients and
+optimizer state to host memory right after it is built and right after every gather (the engines take
+the device to generate), and reloads them when a call needs them: the train step (which the driver
+starts only after the engines released their memory), a checkpoint save or load, ``save_hf``. Calls
+other than the train step offload again when they are done.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +37,10 @@ class TrainerActor:
 
     def __init__(self) -> None:
         self.trainer: Any = None
+        self.offload = False
+        # (event, time.monotonic(), device bytes the trainer holds after it): offload / reload and the
+        # calls between them, read back by `memory_log` (tests check the order; one clock per machine)
+        self.events: deque[tuple[str, float, int]] = deque(maxlen=1000)
 
     def address(self, loopback: bool) -> tuple[str, int]:
         """Rank 0 names the rendezvous: its node's address and a free port there."""
@@ -39,7 +52,8 @@ class TrainerActor:
             return host, s.getsockname()[1]
 
     def setup(self, rank: int, world_size: int, master: tuple[str, int], backend: str, model: Any, tokenizer: Any,
-              train_cfg: Any, algo_cfg: Any, temperature: float, device: str, extra: dict[str, Any]) -> int:
+              train_cfg: Any, algo_cfg: Any, temperature: float, device: str, extra: dict[str, Any],
+              offload: bool = False) -> int:
         import torch
 
         from miles_agent import registry
@@ -49,24 +63,70 @@ class TrainerActor:
         torch.set_num_threads(1)
         self.trainer = registry.load("trainers", backend)(model, tokenizer, train_cfg, algo_cfg,
                                                           temperature=temperature, device=device, **extra)
+        if offload and not callable(getattr(self.trainer, "offload", None)):
+            from miles_agent.errors import UserError
+
+            raise UserError(f"train.offload is on (cluster.colocate) but the {backend} trainer has no offload() / "
+                            "reload(); set train.offload=false, or cluster.colocate=false")
+        self.offload = offload
+        self._release()  # the engines generate first
         return os.getpid()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.trainer.train_step(batch)
+        moved = self._resident()
+        metrics = self.trainer.train_step(batch)
+        self._note("train_step")
+        if moved:  # stays resident: the weight gather comes next
+            metrics = {**metrics, "reload_s": moved["reload_s"], "offload_gib": moved["reload_bytes"] / 2**30}
+        return metrics
 
     def full_weights(self) -> list[tuple[str, Any]] | None:
-        """A collective: every rank gathers; rank 0 returns host copies, the others None."""
+        """A collective: every rank gathers; rank 0 returns host copies, the others None. Then the
+        device goes back to the engines (they load these weights next)."""
+        self._resident()
         out = [(n, t.detach().to("cpu", copy=True)) for n, t in self.trainer.named_weights()]
+        self._note("gather")
+        self._release()
         return out if self.trainer.rank == 0 else None
 
     def save_checkpoint(self, path: str) -> None:
+        self._resident()
         self.trainer.save_checkpoint(Path(path))
+        self._note("save_checkpoint")
+        self._release()
 
     def load_checkpoint(self, path: str) -> None:
+        self._resident()
         self.trainer.load_checkpoint(Path(path))
+        self._note("load_checkpoint")
+        self._release()
 
     def save_hf(self, path: str) -> None:
+        self._resident()
         self.trainer.save_hf(Path(path))
+        self._note("save_hf")
+        self._release()
+
+    # -- offload (see the module docstring) ------------------------------------------------------------
+    def _resident(self) -> dict[str, float] | None:
+        """The trainer's state on its device; the reload's figures when it had to move."""
+        if not (self.offload and self.trainer.memory.offloaded):
+            return None
+        moved = self.trainer.reload()
+        self._note("reload")
+        return moved
+
+    def _release(self) -> None:
+        if self.offload:
+            self.trainer.offload()
+            self._note("offload")
+
+    def _note(self, event: str) -> None:
+        if self.offload:
+            self.events.append((event, time.monotonic(), self.trainer.memory.resident_bytes()))
+
+    def memory_log(self) -> list[tuple[str, float, int]]:
+        return list(self.events)
 
     def close(self) -> None:
         if self.trainer is not None and hasattr(self.trainer, "close"):
@@ -85,11 +145,13 @@ class RayTrainerGroup:
     """The `Trainer` contract over ``world_size`` rank actors (see module docstring).
 
     ``options(rank)`` gives each actor's Ray options (placement); ``before_train`` runs before every
-    step (colocation: the engines release the device)."""
+    step (colocation: the engines release the device, then the ranks reload); ``offload`` makes the
+    ranks give their device back between steps (see the module docstring)."""
 
     def __init__(self, model: Any, tokenizer: Any, train_cfg: Any, algo_cfg: Any, *, temperature: float,
                  device: str, options: Callable[[int], dict[str, Any]], loopback: bool = True,
-                 before_train: Callable[[], None] | None = None, extra: dict[str, Any] | None = None) -> None:
+                 before_train: Callable[[], None] | None = None, extra: dict[str, Any] | None = None,
+                 offload: bool = False) -> None:
         import ray
 
         n = train_cfg.world_size
@@ -100,7 +162,7 @@ class RayTrainerGroup:
         master = self._all([self.actors[0].address.remote(loopback)])[0]
         model_ref, tok_ref = ray.put(model.to("cpu")), ray.put(tokenizer)
         self.pids = self._all([a.setup.remote(r, n, master, train_cfg.backend, model_ref, tok_ref, train_cfg,
-                                              algo_cfg, temperature, device, extra or {})
+                                              algo_cfg, temperature, device, extra or {}, offload)
                                    for r, a in enumerate(self.actors)])
 
     def _all(self, refs: list[Any]) -> list[Any]:
@@ -130,7 +192,9 @@ class RayTrainerGroup:
         return self._all([a.train_step.remote(ref) for a in self.actors])[0]
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
-        yield from self._all([a.full_weights.remote() for a in self.actors])[0]
+        """Gathered at the call, not when iterated: with offload the ranks free their device here,
+        before the transport makes the engines take theirs back."""
+        return iter(self._all([a.full_weights.remote() for a in self.actors])[0])
 
     def save_checkpoint(self, path: Path) -> None:
         self._all([a.save_checkpoint.remote(str(path)) for a in self.actors])
@@ -143,6 +207,10 @@ class RayTrainerGroup:
 
     def where(self) -> list[dict[str, Any]]:
         return self._all([a.where.remote() for a in self.actors])
+
+    def memory_log(self) -> list[list[tuple[str, float, int]]]:
+        """Per rank: (event, monotonic time, device bytes held after it) for offload, reload and the calls."""
+        return self._all([a.memory_log.remote() for a in self.actors])
 
     def close(self) -> None:
         import ray
