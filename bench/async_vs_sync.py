@@ -1,22 +1,30 @@
 """Benchmark: step time of the async (and one-step-off) driver loop against the sync loop, same run.
 
+Layouts (``--layout``):
+
+* ``partitioned`` (default) -- what a GPU cluster looks like: rollout and training own separate
+  devices. The engine and the trainer run as Ray actors (``cluster.mode=ray``, one torch thread each),
+  and the CPU cores are split in two: the engine and the driver on one half, the trainer rank on the
+  other (``sched_setaffinity``). In sync mode each half idles while the other works -- the waste async
+  scheduling removes. On 2 cores this is one core each.
+* ``shared`` -- everything in one process on all cores (``cluster.mode=local``). Decoding and the
+  train step then compete for the same cores, so overlap gains little: on 2 cores the ratio sits
+  near 0.6-0.7 (see docs/results.md), a limit of the machine rather than of the scheduler.
+
 Workload: arith-tools from its warm start, where every episode first waits for its "sandbox" to start
-(``asyncio.sleep``, standing in for a remote sandbox or a slow tool) -- the latency is calibrated so a
-sync step spends about as long rolling out as training (rollout ~= train). Why sleeps: this machine
-has 2 CPU cores, and when rollout time is all decoding, training and decoding share those cores and
-cannot overlap much; with environment latency, overlap is physically possible, which is the case
-async scheduling exists for (agents waiting on sandboxes and tools while the trainer computes).
+(``asyncio.sleep``, standing in for a remote sandbox or a slow tool). The wait is calibrated so a sync
+step spends as long rolling out as training (rollout == train, the balanced workload at which the
+ideal ratio is 0.5), and re-balanced after each repeat, since other work on the machine drifts the
+train time. The calibration line prints how much of the rollout is decoding and how much is waiting.
 
 Each repeat trains a fresh run per mode for ``--steps`` steps (the first ``--warmup`` not counted) and
 takes the median step time (``time/step``: from asking for a batch to the end of the weight push);
-the ratio is mode / sync within the repeat. Prints min / median / max over repeats, and JSON. The
-sync run's rollout and train times are printed per repeat (the balance actually measured), and the
-latency is re-balanced after each repeat, since other work on shared cores changes the train time.
-With ``max_staleness=1`` up to two batches are in flight, so when rollout > train the ratio can go
-below 0.5; at rollout == train the ideal is 0.5.
+the ratio is mode / sync within the repeat. Prints min / median / max over repeats, and JSON. With
+``max_staleness=1`` up to two batches are in flight, so when rollout > train the ratio can go below
+0.5.
 
-    python bench/async_vs_sync.py                       # ~6 min on 2 busy cores
-    python bench/async_vs_sync.py --repeats 1 --modes async,one_step_off
+    python bench/async_vs_sync.py                       # ~8 min on 2 cores
+    python bench/async_vs_sync.py --layout shared --repeats 1
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -53,7 +62,27 @@ def config(mode: str, steps: int, run_dir: str, args: argparse.Namespace):  # no
         "rollout.prompts_per_step": args.prompts, "rollout.samples_per_prompt": args.samples,
         "env.max_new_tokens_per_turn": 40, "run.steps": steps, "run.progress": False,
         "run.checkpoint_every": 0, "run.run_dir": run_dir, "run.seed": 0,
-        **dict(_split(o) for o in args.set)})
+        **LAYOUTS[args.layout], **dict(_split(o) for o in args.set)})
+
+
+LAYOUTS = {"partitioned": {"cluster.mode": "ray", "cluster.num_engines": 1, "train.world_size": 1},
+           "shared": {"cluster.mode": "local"}}
+
+
+def partition_cores(run: Run) -> dict[str, list[int]]:
+    """Pin the engine actor and this driver to one half of the cores, the trainer rank to the other."""
+    import ray
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--layout partitioned needs at least 2 CPU cores; use --layout shared")
+    rollout_side, train_side = cores[: len(cores) // 2], cores[len(cores) // 2:]
+    engine_pids = [w["pid"] for w in ray.get([a.where.remote() for a in run.engines[0].actors])]
+    for pid in [os.getpid(), *engine_pids]:
+        os.sched_setaffinity(pid, rollout_side)
+    for pid in run.trainer.pids:
+        os.sched_setaffinity(pid, train_side)
+    return {"rollout_and_driver": rollout_side, "trainer": train_side}
 
 
 def _split(override: str) -> tuple[str, object]:
@@ -66,11 +95,15 @@ def _split(override: str) -> tuple[str, object]:
 def run_mode(mode: str, steps: int, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         run = Run(config(mode, steps, d, args))
+        before = os.sched_getaffinity(0)
+        if args.layout == "partitioned":
+            partition_cores(run)
         try:
             records = asyncio.run(run.train())
         finally:
             asyncio.run(_shutdown(run))
             run.trainer.close()
+            os.sched_setaffinity(0, before)
     return records
 
 
@@ -92,6 +125,8 @@ def calibrate(args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="partitioned",
+                   help="partitioned: engine and trainer on separate cores (Ray actors); shared: one process")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
@@ -99,7 +134,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--modes", default="async", help="compared against sync, comma-separated")
     p.add_argument("--sandbox-start", type=float, help="fixed latency in seconds instead of calibrating")
-    p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's own choice)")
+    p.add_argument("--torch-threads", type=int, help="shared layout: torch intra-op threads of the one process (default: torch's choice)")
     p.add_argument("--set", action="append", default=[], metavar="section.key=value",
                    help="extra config override for every run, e.g. algo.use_rollout_logprobs=false")
     p.add_argument("--json", help="also write the results to this file")
@@ -114,7 +149,7 @@ def main() -> None:
         calib = calibrate(args)
     else:
         SANDBOX_START_S, calib = args.sandbox_start, {"sandbox_start_s": args.sandbox_start}
-    print(f"workload: {args.prompts}x{args.samples} episodes/step, sandbox start {SANDBOX_START_S:.2f}s "
+    print(f"layout: {args.layout}; workload: {args.prompts}x{args.samples} episodes/step, sandbox start {SANDBOX_START_S:.2f}s "
           f"(calibration: {json.dumps({k: round(v, 3) for k, v in calib.items()})})", flush=True)
     modes = [m for m in args.modes.split(",") if m]
     step_times: dict[str, list[float]] = {m: [] for m in ["sync", *modes]}

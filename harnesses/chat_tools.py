@@ -9,17 +9,14 @@ model can recover from, never a crash.
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 from miles_agent.engine import Completion, FinishReason, Policy, SamplingParams
 from miles_agent.environment import EnvSession, Harness, HarnessLimits, Task, ToolError
 from miles_agent.tito import ChatRenderer, NotAppendOnly
+from miles_agent.tool_calls import scan_tool_calls, unterminated
 from miles_agent.types import Status, Trajectory
-
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -31,19 +28,13 @@ class ToolCall:
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     """Tool calls in a model turn, and an error message for each block that does not parse."""
     calls, errors = [], []
-    for block in _TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(block)
-            name, args = obj["name"], obj.get("arguments", {})
-            if isinstance(args, str):
-                args = json.loads(args)
-            if not isinstance(name, str) or not isinstance(args, dict):
-                raise TypeError("name must be a string and arguments an object")
-            calls.append(ToolCall(name, args))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            errors.append(f"error: malformed tool call ({type(e).__name__}: {e}); write "
+    for block in scan_tool_calls(text):
+        if block.ok:
+            calls.append(ToolCall(block.name, block.arguments))
+        else:
+            errors.append(f"error: malformed tool call ({block.error}); write "
                           '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>')
-    if "<tool_call>" in text and text.count("<tool_call>") != text.count("</tool_call>"):
+    if "<tool_call>" in text and unterminated(text):
         errors.append("error: unterminated <tool_call>; close it with </tool_call>")
     return calls, errors
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import uuid
 from pathlib import Path
@@ -40,9 +39,9 @@ from typing import Any, ClassVar
 from miles_agent.environment import Environment, EnvSession, Reward, Task, ToolError
 from miles_agent.errors import UserError, require
 from miles_agent.sandbox import Sandbox
+from miles_agent.tool_calls import TOOL_CALL_BLOCK, scan_tool_calls
 
 URL_ENV = "NEMO_GYM_RESOURCES_URL"
-_TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 # Routes of the contract itself: never reachable as a "tool" the model names.
 _RESERVED = frozenset({"seed_session", "verify", "aggregate_metrics", "reverify_mode", "mcp"})
 
@@ -130,8 +129,9 @@ class NemoGymSession(EnvSession):
             if m.get("role") != "assistant":
                 continue
             content = m.get("content") or ""
-            n_calls = len(m["tool_calls"]) if m.get("tool_calls") else len(_TOOL_CALL.findall(content))
-            text = _TOOL_CALL.sub("", content).strip()
+            blocks = scan_tool_calls(content)  # only blocks that parsed were run as calls
+            n_calls = len(m["tool_calls"]) if m.get("tool_calls") else sum(b.ok for b in blocks)
+            text = TOOL_CALL_BLOCK.sub("", content).strip()
             if text:
                 output.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                                "status": "completed",
