@@ -116,10 +116,18 @@ class SGLangActorGroup:
         from miles_agent.runtime.supervisor import actor_failures
 
         refs = [e.process.actor.release_memory.remote(self.control_timeout_s) for e in self.engines]
-        try:
-            ray.get(refs, timeout=2 * self.control_timeout_s)
-        except actor_failures() as e:
-            raise RunAborted(f"an SGLang server actor died ({type(e).__name__}); rerun with --resume") from None
+        for e, ref in zip(self.engines, refs):
+            try:
+                ray.get(ref, timeout=2 * self.control_timeout_s)
+            except actor_failures() as err:
+                raise RunAborted(f"the actor keeping SGLang server {e.url} died ({type(err).__name__}); "
+                                 "rerun with --resume") from None
+            except ray.exceptions.GetTimeoutError:
+                raise RunAborted(f"SGLang server {e.url} did not release its memory within "
+                                 f"{2 * self.control_timeout_s:g}s (sglang.control_timeout_s); see its log") from None
+            except ray.exceptions.RayTaskError as err:
+                raise RunAborted(f"SGLang server {e.url} could not release its memory for the train step: "
+                                 f"{err.cause}") from None
 
     def kill(self) -> None:
         for e in self.engines:

@@ -77,10 +77,16 @@ class MemoryPhasedReceiver:
 
     def __init__(self, engine: Any, actor: Any, timeout_s: float) -> None:
         self.engine, self.actor, self.timeout_s = engine, actor, timeout_s
-        self.resumed: list[list[str]] = []  # what each resume brought back (metrics, tests)
 
     async def _resume(self, tags: tuple[str, ...]) -> None:
-        self.resumed.append(await self.actor.resume_memory.remote(list(tags), self.timeout_s))
+        import ray
+
+        from miles_agent.weight_sync.core import WeightSyncError
+
+        try:
+            await self.actor.resume_memory.remote(list(tags), self.timeout_s)
+        except ray.exceptions.RayTaskError as e:  # the server's answer, not Ray's traceback
+            raise WeightSyncError(f"resuming {list(tags)} on {self.engine.url}: {e.cause}") from None
 
     async def pause_generation(self, mode: str = "in_place") -> None:
         await self.engine.pause_generation(mode)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import urllib.error
 import urllib.request
@@ -22,6 +24,7 @@ from miles_agent.config import load_config
 from miles_agent.loop import Run
 from miles_agent.rollout.sglang.server import SGLangServer, free_port
 from miles_agent.runtime import launch
+from miles_agent.runtime.sglang_colocate import ServerMemory
 
 FAKE = Path(__file__).parents[1] / "sglang" / "fake_sglang_server.py"
 PROMPT = {"input_ids": [5, 17, 42, 99], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
@@ -42,51 +45,77 @@ def state(url: str) -> dict:
         return json.loads(r.read())
 
 
-def test_the_fake_refuses_every_wrong_memory_order(tmp_path):
+@pytest.fixture(scope="module")
+def saver_server(tmp_path_factory):
+    """A fake server started as ``--enable-memory-saver`` (no CPU backup), from a saved tiny model."""
     from miles_agent.models.builder import build_tiny, save_hf
 
-    save_hf(*build_tiny("tiny-qwen3"), tmp_path / "model")
+    folder = tmp_path_factory.mktemp("saver")
+    save_hf(*build_tiny("tiny-qwen3"), folder / "model")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = SGLangServer([sys.executable, str(FAKE), "--model-path", str(tmp_path / "model"), "--host", "127.0.0.1",
-                           "--port", str(port), "--enable-memory-saver"], url, tmp_path / "fake.log")
+    server = SGLangServer([sys.executable, str(FAKE), "--model-path", str(folder / "model"), "--host", "127.0.0.1",
+                           "--port", str(port), "--enable-memory-saver"], url, folder / "fake.log")
     server.start()
     try:
         server.wait_ready(120)
-        status, before = call(url, "/generate", PROMPT)
-        assert status == 200
-        assert call(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]})[0] == 200
-        status, body = call(url, "/generate", PROMPT)  # generating on unmapped memory
-        assert status == 400 and "released" in body["error"]["message"]
-        load = {"model_path": str(tmp_path / "model"), "weight_version": "1"}
-        status, body = call(url, "/update_weights_from_disk", load)  # writing weights into it
-        assert status == 400 and not body["success"]
-        # resumed but never reloaded: without --enable-weights-cpu-backup the weights are undefined
-        assert call(url, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 200
-        assert call(url, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})[0] == 200
-        status, body = call(url, "/generate", PROMPT)
-        assert status == 400 and "load weights" in body["error"]["message"]
-        assert state(url)["refused"] == 3
-        assert call(url, "/update_weights_from_disk", load)[0] == 200  # the right order: weights, then generate
-        status, after = call(url, "/generate", PROMPT)
-        assert status == 200 and after["output_ids"] == before["output_ids"]
-        # a request queued while paused must not run before the KV cache is back
-        assert call(url, "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
-        assert call(url, "/pause_generation", {"mode": "in_place"})[0] == 200
-
-        async def queue_then_continue():
-            queued = asyncio.get_running_loop().run_in_executor(None, call, url, "/generate", PROMPT)
-            while state(url)["waiting"] == 0:
-                await asyncio.sleep(0.05)
-            refused = call(url, "/continue_generation")  # too early
-            assert call(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
-            return refused, call(url, "/continue_generation"), await queued
-
-        refused, continued, queued = asyncio.run(queue_then_continue())
-        assert refused[0] == 500 and continued[0] == 200 and state(url)["refused"] == 4
-        assert queued[0] == 200 and queued[1]["output_ids"] == before["output_ids"]
+        yield server, url, folder / "model"
     finally:
         server.stop()
+
+
+def test_the_fake_refuses_every_wrong_memory_order(saver_server):
+    _, url, model = saver_server
+    status, before = call(url, "/generate", PROMPT)
+    assert status == 200
+    assert call(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]})[0] == 200
+    status, body = call(url, "/generate", PROMPT)  # generating on unmapped memory
+    assert status == 400 and "released" in body["error"]["message"]
+    load = {"model_path": str(model), "weight_version": "1"}
+    status, body = call(url, "/update_weights_from_disk", load)  # writing weights into it
+    assert status == 400 and not body["success"]
+    # resumed but never reloaded: without --enable-weights-cpu-backup the weights are undefined
+    assert call(url, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 200
+    assert call(url, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})[0] == 200
+    status, body = call(url, "/generate", PROMPT)
+    assert status == 400 and "load weights" in body["error"]["message"]
+    assert state(url)["refused"] == 3
+    assert call(url, "/update_weights_from_disk", load)[0] == 200  # the right order: weights, then generate
+    status, after = call(url, "/generate", PROMPT)
+    assert status == 200 and after["output_ids"] == before["output_ids"]
+    # a request queued while paused must not run before the KV cache is back
+    assert call(url, "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    assert call(url, "/pause_generation", {"mode": "in_place"})[0] == 200
+
+    async def queue_then_continue():
+        queued = asyncio.get_running_loop().run_in_executor(None, call, url, "/generate", PROMPT)
+        while state(url)["waiting"] == 0:
+            await asyncio.sleep(0.05)
+        refused = call(url, "/continue_generation")  # too early
+        assert call(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        return refused, call(url, "/continue_generation"), await queued
+
+    refused, continued, queued = asyncio.run(queue_then_continue())
+    assert refused[0] == 500 and continued[0] == 200 and state(url)["refused"] == 4
+    assert queued[0] == 200 and queued[1]["output_ids"] == before["output_ids"]
+
+
+def test_a_server_that_dies_while_released_comes_back_and_nothing_stale_is_resumed(saver_server):
+    """The actor's side (`ServerMemory`): a restarted server holds all its memory again, so resuming
+    tags it never released (a KeyError that kills a real SGLang scheduler) must not be sent."""
+    server, url, _ = saver_server
+    memory = ServerMemory(server, url)
+    seen = len(state(url)["events"])
+    assert memory.release(60) == ["cuda_graph", "kv_cache", "weights"]
+    assert [(e["call"], e.get("mode") or e.get("tags")) for e in state(url)["events"][seen:]] == [
+        ("pause_generation", "retract"), ("release_memory_occupation", ["kv_cache", "weights", "cuda_graph"])]
+    os.killpg(server._proc.pid, signal.SIGKILL)  # dies while the trainer trains
+    server._proc.wait()
+    assert memory.resume(["weights"], 60) == [] and server.restarts == 1  # restarted, nothing to resume
+    assert state(url)["events"] == [] and state(url)["released"] == []
+    assert memory.release(60) and memory.resume(["weights"], 60) == ["weights"]
+    assert memory.resume(["weights"], 60) == []  # resumed once only
+    assert [e["tags"] for e in state(url)["events"] if e["call"] == "resume_memory_occupation"] == [["weights"]]
 
 
 def test_colocated_sglang_servers_give_the_device_to_the_trainer_every_step(ray_session, tmp_path):
