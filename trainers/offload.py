@@ -127,5 +127,10 @@ class DeviceOffload:
         free = self._pool.get(nbytes)
         if free:
             return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+        if pin:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+            except RuntimeError:  # the host cannot lock this much: pageable memory, slower copies
+                pass
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 

@@ -71,11 +71,15 @@ class _ClosingTrainer:
 
 
 def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    from miles_agent import registry
     from miles_agent.components import trainer_extra
     from miles_agent.runtime.trainer_actor import RayTrainerGroup
     from miles_agent.trainers.offload import offload_enabled
 
     offload = offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
+    if offload and not callable(getattr(registry.load("trainers", cfg.train.backend), "offload", None)):
+        raise UserError(f"train.offload is on (it is by default with cluster.colocate) but the {cfg.train.backend} "
+                        "trainer has no offload() / reload(); set train.offload=false")
     sess = session(cfg)
 
     def before_train() -> None:  # colocation: the engines give the device back, then the ranks reload

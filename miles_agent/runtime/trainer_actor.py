@@ -63,11 +63,6 @@ class TrainerActor:
         torch.set_num_threads(1)
         self.trainer = registry.load("trainers", backend)(model, tokenizer, train_cfg, algo_cfg,
                                                           temperature=temperature, device=device, **extra)
-        if offload and not callable(getattr(self.trainer, "offload", None)):
-            from miles_agent.errors import UserError
-
-            raise UserError(f"train.offload is on (cluster.colocate) but the {backend} trainer has no offload() / "
-                            "reload(); set train.offload=false, or cluster.colocate=false")
         self.offload = offload
         self._release()  # the engines generate first
         return os.getpid()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from miles_agent.config import load_config
 from miles_agent.loop import Run
 from miles_agent.runtime import launch
@@ -78,3 +80,17 @@ def test_colocated_trainer_ranks_offload_while_engines_generate(ray_session, tmp
             (_, t_reload, _), _, (_, t_gather, _), (_, t_offload, _) = log[1 + 4 * step: 5 + 4 * step]
             assert released <= t_reload  # the engines freed the device before the rank took it
             assert t_gather <= t_offload <= pushed  # the rank freed it before the engines took it back
+
+
+def test_a_backend_without_offload_is_refused_before_any_actor_starts(monkeypatch, tmp_path):
+    from miles_agent import registry
+    from miles_agent.errors import UserError
+
+    class NoOffload:  # a third-party trainer that cannot give its device back
+        pass
+
+    monkeypatch.setattr(registry, "load", lambda kind, name: NoOffload)
+    cfg = load_config("tiny-cpu", {**TINY, "run.run_dir": str(tmp_path)})
+    with pytest.raises(UserError, match="train.offload=false"):
+        launch.build_trainer(cfg, None, None)
+    assert id(cfg) not in launch._SESSIONS  # no placement was reserved
