@@ -77,9 +77,10 @@ def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
     from miles_agent.weight_sync.factory import build_transport as build
 
     if _on_ray(cfg) and cfg.rollout.engine == "sglang" and cfg.cluster.colocate and not cfg.sglang.external_urls:
-        from miles_agent.runtime.sglang_colocate import memory_phased
+        from miles_agent.runtime.sglang_colocate import GatherFirst, memory_phased
 
         engines = memory_phased(engines, cfg.sglang.control_timeout_s)  # memory resumed inside the push's pause
+        return GatherFirst(build(cfg.sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device))
     return build(cfg.sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device)
 
 

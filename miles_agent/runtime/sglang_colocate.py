@@ -7,7 +7,8 @@ launched with ``--enable-memory-saver`` so SGLang can really unmap its memory. P
    ``/pause_generation`` mode ``retract`` (requests in flight go back to the queue and wait; their KV
    cache is dropped), then ``/release_memory_occupation`` for the weights, the KV cache and the CUDA
    graphs. The trainer ranks reload only after every server has answered.
-2. the weight push, inside the transport's pause (`MemoryPhasedReceiver`): after ``/pause_generation``,
+2. the weight push: first the trainer ranks gather the weights and offload (`GatherFirst`); then,
+   inside the transport's pause (`MemoryPhasedReceiver`): after ``/pause_generation``,
    ``/resume_memory_occupation`` ``["weights"]``; the transport loads the new weights; then
    ``["kv_cache", "cuda_graph"]``, then ``/continue_generation``. This is SGLang's intended order (and
    slime's): the weights' pages come back with undefined contents unless the server keeps a CPU backup,
@@ -20,9 +21,11 @@ released: a push without a release before it (the first one after ``--resume``) 
 
 from __future__ import annotations
 
+import itertools
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from typing import Any
 
 RELEASE_TAGS = ("kv_cache", "weights", "cuda_graph")  # sglang GPU_MEMORY_TYPE_*; older servers ignore cuda_graph
@@ -122,3 +125,19 @@ class MemoryPhasedReceiver:
 def memory_phased(engines: list[Any], timeout_s: float) -> list[Any]:
     """The transport's view of colocated server clients (each owns an `ActorServer` process)."""
     return [MemoryPhasedReceiver(e, e.process.actor, timeout_s) for e in engines]
+
+
+class GatherFirst:
+    """A weight transport that reads the first tensor before the inner one starts: the trainer group
+    gathers lazily, and its ranks must gather and free the device before the servers take it back."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def push(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> dict[str, float]:
+        tensors = iter(named_tensors)
+        first = next(tensors, None)  # the gather (a collective on every rank), then the ranks offload
+        return await self.inner.push(itertools.chain([first] if first is not None else [], tensors), version)
+
+    def __getattr__(self, name: str) -> Any:  # close, kind, ...
+        return getattr(self.inner, name)

@@ -41,6 +41,7 @@ class TrainerActor:
         # (event, time.monotonic(), device bytes the trainer holds after it): offload / reload and the
         # calls between them, read back by `memory_log` (tests check the order; one clock per machine)
         self.events: deque[tuple[str, float, int]] = deque(maxlen=1000)
+        self.broadcaster: Any = None  # weight sync from rank 0 (sync.transport=distributed), made on first use
 
     def address(self, loopback: bool) -> tuple[str, int]:
         """Rank 0 names the rendezvous: its node's address and a free port there."""
@@ -83,6 +84,24 @@ class TrainerActor:
         self._note("gather")
         self._release()
         return out if self.trainer.rank == 0 else None
+
+    def broadcast_weights(self, actors: list[Any], version: int, options: dict[str, Any]) -> Any:
+        """A collective: every rank gathers; rank 0 broadcasts to the engine ``actors`` and returns (stats,
+        object ref of a host copy) -- see miles_agent.runtime.rank0_sync."""
+        self._resident()
+        try:
+            if self.trainer.rank != 0:
+                for _ in self.trainer.named_weights():
+                    pass
+                return None
+            if self.broadcaster is None:
+                from miles_agent.runtime.rank0_sync import Rank0Broadcaster
+
+                self.broadcaster = Rank0Broadcaster(**options)
+            return self.broadcaster.push(self.trainer.named_weights(), actors, version)
+        finally:
+            self._note("gather")
+            self._release()
 
     def save_checkpoint(self, path: str) -> None:
         self._resident()
@@ -187,9 +206,14 @@ class RayTrainerGroup:
         return self._all([a.train_step.remote(ref) for a in self.actors])[0]
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
-        """Gathered at the call, not when iterated: with offload the ranks free their device here,
-        before the transport makes the engines take theirs back."""
-        return iter(self._all([a.full_weights.remote() for a in self.actors])[0])
+        """Lazy: the ranks gather (and, with offload, free their device) when the first tensor is read, so
+        a transport that never reads them (rank 0 broadcasting itself) costs no gather here."""
+        yield from self._all([a.full_weights.remote() for a in self.actors])[0]
+
+    def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
+                          ) -> tuple[dict[str, float], Any]:
+        """Rank 0 sends the weights to ``engine_actors`` itself (``options``: `Rank0Broadcaster`'s)."""
+        return self._all([a.broadcast_weights.remote(engine_actors, version, options) for a in self.actors])[0]
 
     def save_checkpoint(self, path: Path) -> None:
         self._all([a.save_checkpoint.remote(str(path)) for a in self.actors])

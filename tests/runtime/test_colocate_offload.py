@@ -50,7 +50,7 @@ def test_colocated_trainer_ranks_offload_while_engines_generate(ray_session, tmp
     sess = launch.session(cfg)
     engines: list[tuple[str, float, float]] = []
     spy(sess.engines, "release_memory", engines)
-    spy(sess.engines, "push_weights", engines)
+    spy(sess.engines, "_sync_one", engines)  # per engine: resume its memory, then load the weights
 
     async def main():
         try:
@@ -72,7 +72,7 @@ def test_colocated_trainer_ranks_offload_while_engines_generate(ray_session, tmp
         assert [e for e, _, _ in log] == expected
         assert all((b == 0) == (e == "offload") for e, _, b in log)  # offloaded: nothing left on the device
         assert log[5][2] == log[2][2]  # step 1's reload brings back all step 0 held, Adam state included
-    assert [name for name, _, _ in engines] == ["release_memory", "push_weights"] * 2
+    assert [name for name, _, _ in engines] == ["release_memory", "_sync_one"] * 2
     for step in range(2):
         _, _, released = engines[2 * step]
         _, pushed, _ = engines[2 * step + 1]
