@@ -94,3 +94,25 @@ def test_a_backend_without_offload_is_refused_before_any_actor_starts(monkeypatc
     with pytest.raises(UserError, match="train.offload=false"):
         launch.build_trainer(cfg, None, None)
     assert id(cfg) not in launch._SESSIONS  # no placement was reserved
+
+
+def test_offload_also_wraps_rank0_broadcast(ray_session, tmp_path):
+    """train.offload=true without colocation, weights broadcast by rank 0 itself: the rank reloads for
+    the broadcast and offloads after it, and every engine's checksums still equal rank 0's."""
+    cfg = load_config("tiny-cpu", {**TINY, "cluster.colocate": False, "train.offload": True, "train.world_size": 1,
+                                   "cluster.trainer_gpus": 0, "cluster.gpus_per_engine": 0, "run.checkpoint_every": 0,
+                                   "sync.transport": "distributed", "sync.check": True, "run.run_dir": str(tmp_path)})
+    run = Run(cfg)
+
+    async def main():
+        try:
+            return await run.train(), run.trainer.memory_log()[0]
+        finally:
+            await run.engine.shutdown()
+            run.trainer.close()
+
+    records, log = asyncio.run(main())
+    assert all(r["sync_checked_tensors"] > 0 for r in records)  # the engine holds rank 0's exact weights
+    assert [e for e, _, _ in log] == ["offload", *["reload", "train_step", "gather", "offload"] * 2,
+                                      "reload", "save_checkpoint", "offload", "reload", "save_hf", "offload"]
+    assert all((b == 0) == (e == "offload") for e, _, b in log)
