@@ -71,18 +71,24 @@ class _ClosingTrainer:
 
 
 def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    from miles_agent import registry
     from miles_agent.components import trainer_extra
     from miles_agent.runtime.trainer_actor import RayTrainerGroup
+    from miles_agent.trainers.offload import offload_enabled
 
+    offload = offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
+    if offload and not callable(getattr(registry.load("trainers", cfg.train.backend), "offload", None)):
+        raise UserError(f"train.offload is on (it is by default with cluster.colocate) but the {cfg.train.backend} "
+                        "trainer has no offload() / reload(); set train.offload=false")
     sess = session(cfg)
 
-    def before_train() -> None:  # colocation: the engines give the device back while the trainer runs
+    def before_train() -> None:  # colocation: the engines give the device back, then the ranks reload
         if cfg.cluster.colocate and sess.engines is not None:
             sess.engines.release_memory()
 
     group = RayTrainerGroup(model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature,
                             device=cfg.model.device, options=sess.placement.trainer_options, loopback=sess.loopback,
-                            before_train=before_train, extra=trainer_extra(cfg))
+                            before_train=before_train, extra=trainer_extra(cfg), offload=offload)
     sess.trainer = _ClosingTrainer(group, sess)
     return sess.trainer
 

@@ -82,20 +82,22 @@ class Rank0Broadcaster:
         broadcast fails, so the other trainer ranks are never left waiting in a gather."""
         import ray
 
-        host: list[tuple[str, Any]] = []
+        from miles_agent.runtime.packed_weights import pack_weights
 
-        def keep_host_copy() -> Iterator[tuple[str, Any]]:
+        sent: list[tuple[str, Any]] = []
+
+        def noting_what_is_sent() -> Iterator[tuple[str, Any]]:
             for name, t in named_weights:
-                host.append((self.name_map(name), t.detach().to("cpu")))
+                sent.append((self.name_map(name), t))
                 yield name, t
 
-        tensors = keep_host_copy()
+        tensors = noting_what_is_sent()
         try:
             stats = asyncio.run(self._broadcast(tensors, actors, version)) if actors else {}
         finally:
             for _ in tensors:  # drain: the rest of the gather still has to happen on every rank
                 pass
-        return stats, ray.put(host)
+        return stats, ray.put(pack_weights(sent))  # the host copy, before any optimizer step changes them
 
     async def _broadcast(self, tensors: Iterator[tuple[str, Any]], actors: list[Any], version: int
                          ) -> dict[str, float]:

@@ -35,6 +35,7 @@ from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.trainers.megatron import bridge
 from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded_vocab
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
+from miles_agent.trainers.offload import DeviceOffload
 from miles_agent.types import Trajectory
 
 
@@ -95,6 +96,7 @@ class MegatronTrainer:
         self._loss_opts = loss_options(algo)
         self.step = 0
         lr_at(train, 0)
+        self.memory = DeviceOffload(lambda: (self.model,), self.optimizer, self.device)
 
     # -- forward ------------------------------------------------------------------------------------
     def _logp(self, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
@@ -322,6 +324,13 @@ class MegatronTrainer:
         self.optimizer.load_state_dict(state["optim"])
         torch.set_rng_state(state["rng"])
         self.step = int(meta["step"])
+
+    # -- colocation: the same storage-level offload as the FSDP2 trainer (trainers/offload.py) --------
+    def offload(self) -> dict[str, float]:
+        return self.memory.offload()
+
+    def reload(self) -> dict[str, float]:
+        return self.memory.reload()
 
     def close(self) -> None:
         from megatron.core import parallel_state as ps
