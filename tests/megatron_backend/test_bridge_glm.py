@@ -80,7 +80,8 @@ def test_real_megatron_ranks_tensor_and_expert_parallel(tmp_path):
     model, hf = tiny_checkpoint(glm_config(), tmp_path / "hf")
     spec = arch_spec(model.config)
     results = _run_ranks(2, tmp_path / "hf", "2,1,2", tmp_path)
-    back = megatron_to_hf(merge({r["coords"]: r["state"] for r in results}, spec, ParallelSizes(2, 1, 2)), spec)
+    merged = merge({r["coords"]: r["state"] for r in results}, spec, ParallelSizes(2, 1, 2))
+    back = megatron_to_hf(merged, spec)
     assert set(back) == set(hf)
     for k, v in back.items():
         assert torch.equal(v, hf[k]), k

@@ -1,6 +1,6 @@
-"""The Megatron trainer on DeepSeek-V3-style (MLA) and GLM-4.5-style tiny models computes what the FSDP2 trainer
-computes on the same HF model: same logprobs, same loss and gradient norm, the same updated weights (router,
-expert bias and MTP-free checkpoint included), and save_hf writes a checkpoint transformers loads back."""
+"""The Megatron trainer on DeepSeek-V3-style (MLA) and GLM-4.5-style tiny models computes what the FSDP2
+trainer computes on the same HF model: same logprobs, same loss and gradient norm, the same updated weights
+(router and expert bias included), and save_hf writes a checkpoint transformers loads back."""
 
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def test_recipe_models_convert_and_only_pipeline_parallel_blocks_them(recipe):
     from miles_agent.trainers.megatron.model import ParallelSizes
 
     cfg = load_config(recipe)
-    dims = json.loads((RECIPES_DIR / "architectures" / f"{Path(cfg.model.hf_checkpoint).name}.json").read_text())
+    arch_file = RECIPES_DIR / "architectures" / f"{Path(cfg.model.hf_checkpoint).name}.json"
+    dims = json.loads(arch_file.read_text())
     config_cls = {"DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
                   "Glm4MoeForCausalLM": transformers.Glm4MoeConfig}[dims["architectures"][0]]
     spec = arch_spec(config_cls(**dims))  # the other fields: transformers' defaults, which are these models'
@@ -101,6 +102,6 @@ def test_recipe_models_convert_and_only_pipeline_parallel_blocks_them(recipe):
     ParallelSizes(tensor=m.tensor_parallel, expert=m.expert_parallel).check(spec, cfg.train.world_size)
     tok = build_byte_tokenizer()
     with pytest.raises(UserError, match="pipeline_parallel") as refused:
-        MegatronTrainer(_model("deepseek-v3" if "Deepseek" in dims["architectures"][0] else "glm-4.5", tok), tok,
-                        TrainConfig(), AlgoConfig(), megatron=m)
+        tiny = _model("deepseek-v3" if "Deepseek" in dims["architectures"][0] else "glm-4.5", tok)
+        MegatronTrainer(tiny, tok, TrainConfig(), AlgoConfig(), megatron=m)
     assert "conversion" not in str(refused.value)

@@ -2,9 +2,11 @@
 
 Attention, HF checkpoint name -> Megatron-core local MLA spec name (inside ``model.layers.N.self_attn`` /
 ``decoder.layers.N.self_attention``):
-- ``q_a_proj`` -> ``linear_q_down_proj``, ``q_a_layernorm`` -> ``q_layernorm``, ``q_b_proj`` -> ``linear_q_up_proj``
-  (``q_lora_rank`` set), or ``q_proj`` -> ``linear_q_proj`` (``q_lora_rank: null``, e.g. DeepSeek-V2-Lite);
-- ``kv_a_proj_with_mqa`` -> ``linear_kv_down_proj`` (rows: the ``kv_lora_rank`` latent, then the shared rope key),
+- ``q_a_proj`` -> ``linear_q_down_proj``, ``q_a_layernorm`` -> ``q_layernorm``, ``q_b_proj`` ->
+  ``linear_q_up_proj`` (``q_lora_rank`` set), or ``q_proj`` -> ``linear_q_proj`` (``q_lora_rank: null``,
+  e.g. DeepSeek-V2-Lite);
+- ``kv_a_proj_with_mqa`` -> ``linear_kv_down_proj`` (rows: the ``kv_lora_rank`` latent, then the shared
+  rope key),
   ``kv_a_layernorm`` -> ``kv_layernorm``, ``kv_b_proj`` -> ``linear_kv_up_proj`` (per head: nope key, value);
 - ``o_proj`` -> ``linear_proj``.
 Each query head's rows are [nope, rope] in both. Rope layout: DeepSeek checkpoints (HF ``rope_interleave:
@@ -33,8 +35,9 @@ from miles_agent.trainers.megatron.bridge import ArchSpec, MLASpec, _rope_theta
 
 ARCH = "DeepseekV3ForCausalLM"
 # yarn keys of the HF rope parameters -> Megatron MLATransformerConfig fields
-_YARN = {"factor": "rotary_scaling_factor", "original_max_position_embeddings": "original_max_position_embeddings",
-         "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"}
+_YARN = {"factor": "rotary_scaling_factor",
+         **{k: k for k in ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                           "mscale_all_dim")}}
 
 
 def _rope_parameters(cfg: Any) -> dict[str, Any]:
@@ -43,18 +46,21 @@ def _rope_parameters(cfg: Any) -> dict[str, Any]:
     if kind in ("default", None):
         return {}
     if kind != "yarn":
-        raise UserError(f"{ARCH}: rope type {kind!r} is not supported by the Megatron converter (default or yarn)")
+        raise UserError(f"{ARCH}: rope type {kind!r} is not supported by the Megatron converter "
+                        "(default or yarn)")
     return {k: params[k] for k in _YARN if params.get(k) is not None}
 
 
 def spec(cfg: Any) -> ArchSpec:
     if getattr(cfg, "attention_bias", False):
-        raise UserError(f"{ARCH}: attention_bias=true is not supported (Megatron's MLA projections have no bias)")
+        raise UserError(f"{ARCH}: attention_bias=true is not supported (Megatron's MLA projections "
+                        "have no bias)")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise UserError(f"{ARCH}: hidden_act={cfg.hidden_act!r} is not supported (only silu)")
     heads = cfg.num_attention_heads
-    mla = MLASpec(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-                  qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+    mla = MLASpec(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                  qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                  v_head_dim=cfg.v_head_dim,
                   rope_interleaved=bool(getattr(cfg, "rope_interleave", True)),
                   rope_scaling=tuple(sorted(_rope_parameters(cfg).items())))
     return ArchSpec(
@@ -105,9 +111,9 @@ def _attention_hf_names(prefix: str, spec: ArchSpec) -> set[str]:
     m = spec.mla
     assert m is not None
     q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if m.q_lora_rank is not None else ("q_proj",)
-    return {f"{prefix}self_attn.{n}.weight" for n in (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
-                                                       "o_proj")} | {prefix + "input_layernorm.weight",
-                                                                     prefix + "post_attention_layernorm.weight"}
+    attn = (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    names = {f"{prefix}self_attn.{n}.weight" for n in attn}
+    return names | {prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"}
 
 
 def _rope_perm(spec: ArchSpec, hf_name: str, inverse: bool) -> Tensor | None:
@@ -130,7 +136,8 @@ def _permuted(t: Tensor, perm: Tensor | None) -> Tensor:
     return t if perm is None else t.index_select(0, perm)
 
 
-def hf_to_megatron(hf: Mapping[str, Tensor], spec: ArchSpec, vocab_size: int | None = None) -> dict[str, Tensor]:
+def hf_to_megatron(hf: Mapping[str, Tensor], spec: ArchSpec, vocab_size: int | None = None
+                   ) -> dict[str, Tensor]:
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if spec.tied_embeddings
                                                                      else {"lm_head.weight"})
     for i in range(spec.num_layers):

@@ -3,8 +3,8 @@
 Attention is grouped-query attention as in Qwen3, fused into ``linear_qkv`` the same way (bridge.fuse_qkv),
 plus what GLM adds: biases on q/k/v (``attention_bias``; fused into ``linear_qkv.bias`` in the same group
 order), an optional per-head QK RMSNorm (``use_qk_norm``: GLM-4.5-Air has none), and partial rotary
-embeddings (``partial_rotary_factor`` 0.5: the first half of each head's dims are rotated, halves layout, which
-is Megatron's ``rotary_percent``). The MoE block (sigmoid router with expert bias, shared experts, dense
+embeddings (``partial_rotary_factor`` 0.5: the first half of each head's dims are rotated, halves layout,
+which is Megatron's ``rotary_percent``). The MoE block (sigmoid router with expert bias, shared experts, dense
 layers first) is in arch_moe.py.
 """
 
@@ -28,7 +28,8 @@ def _partial_rotary_factor(cfg: Any) -> float:
     factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
     kind = params.get("rope_type", "default")
     if kind not in ("default", None):
-        raise UserError(f"{ARCH}: rope type {kind!r} is not supported by the Megatron converter (default only)")
+        raise UserError(f"{ARCH}: rope type {kind!r} is not supported by the Megatron converter "
+                        "(default only)")
     return float(factor)
 
 
@@ -38,11 +39,13 @@ def spec(cfg: Any) -> ArchSpec:
     heads = cfg.num_attention_heads
     return ArchSpec(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=heads,
-        num_kv_heads=cfg.num_key_value_heads, head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
         tied_embeddings=bool(cfg.tie_word_embeddings), rope_theta=_rope_theta(cfg), norm_eps=cfg.rms_norm_eps,
         max_position_embeddings=cfg.max_position_embeddings, family="glm4_moe",
-        qkv_bias=bool(getattr(cfg, "attention_bias", False)), qk_norm=bool(getattr(cfg, "use_qk_norm", False)),
+        qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+        qk_norm=bool(getattr(cfg, "use_qk_norm", False)),
         rotary_percent=_partial_rotary_factor(cfg), **arch_moe.moe_fields(cfg, ARCH))
 
 
@@ -56,7 +59,8 @@ _SIMPLE = {  # HF suffix -> Megatron suffix, inside model.layers.N / decoder.lay
 
 
 def _attention_hf_names(p: str, spec: ArchSpec) -> set[str]:
-    names = {p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "self_attn.o_proj.weight"}
+    names = {p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                             "self_attn.o_proj.weight")}
     names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkv"}
     if spec.qkv_bias:
         names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
@@ -65,7 +69,8 @@ def _attention_hf_names(p: str, spec: ArchSpec) -> set[str]:
     return names
 
 
-def hf_to_megatron(hf: Mapping[str, Tensor], spec: ArchSpec, vocab_size: int | None = None) -> dict[str, Tensor]:
+def hf_to_megatron(hf: Mapping[str, Tensor], spec: ArchSpec, vocab_size: int | None = None
+                   ) -> dict[str, Tensor]:
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if spec.tied_embeddings
                                                                      else {"lm_head.weight"})
     for i in range(spec.num_layers):

@@ -3,7 +3,8 @@ a sigmoid router carrying an expert bias (``e_score_correction_bias``) and share
 prediction (MTP) layers stored after the decoder; the embedding / final norm / output layer.
 
 HF checkpoint names (one tensor per expert) <-> Megatron-core local-spec names:
-- ``mlp.gate.weight`` / ``mlp.gate.e_score_correction_bias`` -> ``mlp.router.weight`` / ``mlp.router.expert_bias``
+- ``mlp.gate.weight`` / ``mlp.gate.e_score_correction_bias`` -> ``mlp.router.weight`` /
+  ``mlp.router.expert_bias``
 - ``mlp.experts.E.{gate,up,down}_proj`` -> ``mlp.experts.local_experts.E.linear_fc{1,2}`` (gate rows, then up)
 - ``mlp.shared_experts.{gate,up,down}_proj`` -> ``mlp.shared_experts.linear_fc{1,2}``
 - dense layers: ``mlp.{gate,up,down}_proj`` -> ``mlp.linear_fc{1,2}``
@@ -35,7 +36,8 @@ def moe_fields(cfg: Any, arch: str) -> dict[str, Any]:
     topk = int(cfg.num_experts_per_tok)
     scoring = getattr(cfg, "scoring_func", "sigmoid")
     if scoring != "sigmoid":
-        raise UserError(f"{arch}: scoring_func={scoring!r} is not supported by the converter (only 'sigmoid')")
+        raise UserError(f"{arch}: scoring_func={scoring!r} is not supported by the converter "
+                        "(only 'sigmoid')")
     if not getattr(cfg, "norm_topk_prob", True) and topk > 1:
         # Megatron-core's sigmoid router always renormalizes the top-k scores.
         raise UserError(f"{arch}: norm_topk_prob=false has no Megatron-core sigmoid-router equivalent; "
@@ -48,10 +50,11 @@ def moe_fields(cfg: Any, arch: str) -> dict[str, Any]:
     if experts % groups:
         raise UserError(f"{arch}: n_group={groups} does not divide the {experts} routed experts")
     dense_first = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    shared = int(getattr(cfg, "n_shared_experts", 0) or 0)
     return dict(
         num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=int(cfg.moe_intermediate_size),
         norm_topk_prob=True, moe_layers=tuple(range(dense_first, layers)),
-        shared_expert_ffn_hidden_size=int(cfg.moe_intermediate_size) * int(getattr(cfg, "n_shared_experts", 0) or 0),
+        shared_expert_ffn_hidden_size=int(cfg.moe_intermediate_size) * shared,
         router_score="sigmoid", router_scaling=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0),
         router_groups=groups if groups > 1 else None, router_group_topk=group_topk if groups > 1 else None,
         mtp_layers=int(getattr(cfg, "num_nextn_predict_layers", 0) or 0))
@@ -109,7 +112,8 @@ def mlp_hf_names(prefix: str, spec: ArchSpec, layer: int) -> set[str]:
     return names
 
 
-def mlp_to_megatron(hf: Mapping[str, Tensor], src: str, dst: str, spec: ArchSpec, layer: int) -> dict[str, Tensor]:
+def mlp_to_megatron(hf: Mapping[str, Tensor], src: str, dst: str, spec: ArchSpec, layer: int
+                    ) -> dict[str, Tensor]:
     def gated(p: str) -> Tensor:
         return torch.cat([hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"]], dim=0)
 
@@ -161,8 +165,8 @@ def checked(hf: Mapping[str, Tensor], expected: set[str], spec: ArchSpec, arch: 
     this converter would drop is refused."""
     missing = sorted(expected - set(hf))
     if missing:
-        raise UserError(f"{arch} checkpoint is missing {len(missing)} tensors (first: {missing[0]}); is it the "
-                        "checkpoint its config.json describes?")
+        raise UserError(f"{arch} checkpoint is missing {len(missing)} tensors (first: {missing[0]}); "
+                        "is it the checkpoint its config.json describes?")
     mtp = re.compile(r"model\.layers\.(\d+)\.")
     skipped, unused = [], []
     for name in sorted(set(hf) - expected - {"lm_head.weight"}):
@@ -178,4 +182,5 @@ def checked(hf: Mapping[str, Tensor], expected: set[str], spec: ArchSpec, arch: 
         log.warning("%s: skipping %d multi-token-prediction tensors (model.layers.%d.* .. layer %d, "
                     "num_nextn_predict_layers=%d): the Megatron model is built without the MTP head, so "
                     "training neither uses nor updates them, and exported checkpoints do not contain them",
-                    arch, len(skipped), spec.num_layers, spec.num_layers + spec.mtp_layers - 1, spec.mtp_layers)
+                    arch, len(skipped), spec.num_layers, spec.num_layers + spec.mtp_layers - 1,
+                    spec.mtp_layers)

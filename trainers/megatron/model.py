@@ -82,10 +82,13 @@ class ParallelSizes:
 def _family_split_dims(spec: ArchSpec) -> list[tuple[str, int]]:
     """Further dimensions tensor parallelism splits in the DeepSeek-V3 / GLM-4.5 families (the local MLA
     spec splits the latent down projections' outputs too, see sharding.py)."""
-    dims = [("shared-expert FFN size", spec.shared_expert_ffn_hidden_size)] if spec.shared_expert_ffn_hidden_size else []
+    dims = []
+    if spec.shared_expert_ffn_hidden_size:
+        dims.append(("shared-expert FFN size", spec.shared_expert_ffn_hidden_size))
     if spec.mla is not None:
         m = spec.mla
-        dims.append(("KV down projection (kv_lora_rank + qk_rope_head_dim)", m.kv_lora_rank + m.qk_rope_head_dim))
+        dims.append(("KV down projection (kv_lora_rank + qk_rope_head_dim)",
+                     m.kv_lora_rank + m.qk_rope_head_dim))
         if m.q_lora_rank is not None:
             dims.append(("q_lora_rank", m.q_lora_rank))
     return dims
@@ -167,7 +170,8 @@ def transformer_config(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype 
 
 
 def _family_kwargs(spec: ArchSpec) -> dict[str, Any]:
-    """TransformerConfig fields of the DeepSeek-V3 / GLM-4.5 families (sigmoid router, shared experts, MLA)."""
+    """TransformerConfig fields of the DeepSeek-V3 / GLM-4.5 families (sigmoid router, shared experts,
+    MLA)."""
     from miles_agent.trainers.megatron import arch_deepseek, arch_moe
 
     kw = arch_moe.megatron_kwargs(spec) if spec.is_moe else {}
@@ -195,7 +199,8 @@ def build_gpt(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype = torch.f
         layer_spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                     qk_layernorm=True, normalization="RMSNorm")
     else:  # dense layers first, then MoE ones: one local spec per layer of this stage, from moe_layer_freq
-        layer_spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        layer_spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                      normalization="RMSNorm")
     if spec.mla is not None:
         from miles_agent.trainers.megatron import arch_deepseek
 

@@ -84,7 +84,8 @@ _ROWS = {"self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
 def _layer_rule(rest: str) -> str:
     if rest in _ROWS:
         return "rows"
-    if rest in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"):
+    if rest in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
+                "mlp.shared_experts.linear_fc2.weight"):
         return "cols"
     if rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
         return "gated"
