@@ -30,8 +30,8 @@ def deepseek_config(*, q_lora_rank: int | None = 32, yarn: bool = False,  # noqa
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=q_lora_rank,
-        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=4,
-        first_k_dense_replace=1,
+        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
+        num_experts_per_tok=4, first_k_dense_replace=1,
         max_position_embeddings=256, rope_parameters=_rope(yarn), rope_interleave=rope_interleave,
         tie_word_embeddings=False, rms_norm_eps=1e-6)
     cfg.architectures = ["DeepseekV3ForCausalLM"]
