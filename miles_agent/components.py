@@ -76,6 +76,13 @@ def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
         return launch.build_transport(cfg, trainer, engines)
     from miles_agent.weight_sync.factory import build_transport as build
 
+    if (_on_ray(cfg) and cfg.rollout.engine == "sglang" and not cfg.cluster.colocate and not cfg.sglang.external_urls
+            and cfg.sync.transport == "distributed"):  # rank 0 broadcasts to the servers; the driver holds nothing
+        from miles_agent.runtime.launch import rank0_options
+        from miles_agent.runtime.rank0_sync import SGLangRankZeroTransport
+
+        return SGLangRankZeroTransport(trainer, [e.url for e in engines], rank0_options(cfg))
+
     if _on_ray(cfg) and cfg.rollout.engine == "sglang" and cfg.cluster.colocate and not cfg.sglang.external_urls:
         from miles_agent.runtime.sglang_colocate import GatherFirst, memory_phased
 

@@ -92,20 +92,22 @@ class TrainerActor:
             self._note("gather")
             self._release()
 
-    def broadcast_weights(self, actors: list[Any], version: int, options: dict[str, Any]) -> Any:
-        """A collective: every rank gathers; rank 0 broadcasts to the engine ``actors`` and returns (stats,
-        object ref of a host copy) -- see miles_agent.runtime.rank0_sync."""
+    def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
+        """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)
+        and returns (stats, object ref of a host copy or None) -- see miles_agent.runtime.rank0_sync."""
         self._resident()
         try:
             if self.trainer.rank != 0:
                 for _ in self.trainer.named_weights():
                     pass
                 return None
+            options = dict(options)
+            keep_host_copy = options.pop("keep_host_copy", True)
             if self.broadcaster is None:
                 from miles_agent.runtime.rank0_sync import Rank0Broadcaster
 
                 self.broadcaster = Rank0Broadcaster(**options)
-            return self.broadcaster.push(self.trainer.named_weights(), actors, version)
+            return self.broadcaster.push(self.trainer.named_weights(), engines, version, keep_host_copy)
         finally:
             self._note("gather")
             self._release()

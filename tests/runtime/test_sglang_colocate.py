@@ -180,3 +180,38 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def test_disaggregated_sglang_servers_get_the_weights_from_trainer_rank_0(ray_session, tmp_path, monkeypatch):
+    """sync.transport=distributed with SGLang servers under Ray: rank 0 forms the weight-update group with
+    the servers and broadcasts over it; the driver never gathers the weights."""
+    from miles_agent.runtime.trainer_actor import RayTrainerGroup
+
+    def no_driver_gather(self):
+        raise AssertionError("the driver gathered the weights; rank 0 should have sent them itself")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(RayTrainerGroup, "named_weights", no_driver_gather)
+    cfg = load_config("tiny-cpu", {
+        "model.warm_start": None, "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2,
+        "env.max_new_tokens_per_turn": 6, "env.max_turns": 1, "run.progress": False, "run.steps": 2,
+        "run.run_dir": str(tmp_path / "run"), "cluster.mode": "ray", "cluster.num_engines": 1,
+        "cluster.trainer_gpus": 1, "cluster.gpus_per_engine": 1, "rollout.engine": "sglang",
+        "sglang.launch_command": f"{sys.executable} {FAKE}", "sync.transport": "distributed",
+        "sglang.startup_timeout_s": 120})
+    run = Run(cfg)
+    url = run.engine.url
+
+    async def main():
+        try:
+            return await run.train(), state(url)
+        finally:
+            await run.engine.shutdown()
+            run.trainer.close()
+
+    records, fake = asyncio.run(main())
+    assert [r["step"] for r in records] == [0, 1] and fake["weight_version"] == 2 and fake["refused"] == 0
+    assert all(r["sync_bytes"] > 0 and r["sync_engines"] == 1 for r in records)
+    calls = [e["call"] for e in fake["events"]]
+    assert calls.count("init_weights_update_group") == 1  # formed once, reused by the second push
+    assert calls.count("update_weights_from_distributed") >= 2
