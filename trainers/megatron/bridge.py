@@ -26,6 +26,19 @@ from miles_agent.errors import UserError
 
 
 @dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek multi-latent attention dimensions (see arch_deepseek.py)."""
+
+    q_lora_rank: int | None  # None: queries are projected directly (no low-rank down/up pair)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleaved: bool  # HF rope_interleave: rotary dims come in (even, odd) pairs
+    rope_scaling: tuple[tuple[str, Any], ...] = ()  # yarn parameters, () for plain rope
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """What the converter needs to know about one HF architecture."""
 
@@ -45,6 +58,18 @@ class ArchSpec:
     moe_ffn_hidden_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()  # indices of MoE layers (the others are dense)
+    # Beyond Qwen3 (arch_deepseek.py, arch_glm.py); the defaults are Qwen3's.
+    family: str = "qwen3"  # which converter in CONVERTERS handles the tensors
+    qkv_bias: bool = False
+    qk_norm: bool = True
+    rotary_percent: float = 1.0
+    shared_expert_ffn_hidden_size: int = 0  # 0 = no shared experts
+    router_score: str = "softmax"  # "sigmoid": DeepSeek-V3 / GLM-4.5 routing with an expert bias
+    router_scaling: float = 1.0  # routed_scaling_factor
+    router_groups: int | None = None  # group-limited routing: n_group / topk_group
+    router_group_topk: int | None = None
+    mtp_layers: int = 0  # multi-token-prediction layers a checkpoint carries after the decoder (skipped)
+    mla: MLASpec | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -81,11 +106,33 @@ def _qwen3_moe_spec(cfg: Any) -> ArchSpec:
                        "norm_topk_prob": bool(cfg.norm_topk_prob), "moe_layers": moe_layers})
 
 
-# architecture name (config.architectures[0]) -> spec reader; the conversion rules are shared below.
+def _deepseek_v3_spec(cfg: Any) -> ArchSpec:
+    from miles_agent.trainers.megatron import arch_deepseek
+
+    return arch_deepseek.spec(cfg)
+
+
+def _glm4_moe_spec(cfg: Any) -> ArchSpec:
+    from miles_agent.trainers.megatron import arch_glm
+
+    return arch_glm.spec(cfg)
+
+
+# architecture name (config.architectures[0]) -> spec reader; the Qwen3 conversion rules are below,
+# the other families' in their own modules (CONVERTERS).
 ARCHITECTURES: dict[str, Callable[[Any], ArchSpec]] = {
     "Qwen3ForCausalLM": _qwen3_spec,
     "Qwen3MoeForCausalLM": _qwen3_moe_spec,
+    "DeepseekV3ForCausalLM": _deepseek_v3_spec,  # DeepSeek-V3, Kimi-K2
+    "Glm4MoeForCausalLM": _glm4_moe_spec,  # GLM-4.5, GLM-4.5-Air
 }
+CONVERTERS = {"deepseek_v3": "arch_deepseek", "glm4_moe": "arch_glm"}  # spec.family -> module
+
+
+def _family(spec: ArchSpec) -> Any:
+    import importlib
+
+    return importlib.import_module(f"miles_agent.trainers.megatron.{CONVERTERS[spec.family]}")
 
 
 def arch_spec(hf_config: Any) -> ArchSpec:
@@ -178,6 +225,8 @@ def hf_to_megatron(hf: Mapping[str, Tensor], spec: ArchSpec, vocab_size: int | N
 
     ``vocab_size`` pads the embedding and output rows with zeros (Megatron splits the vocabulary over
     tensor-parallel ranks); logits of padded ids are sliced off before any softmax."""
+    if spec.family != "qwen3":
+        return _family(spec).hf_to_megatron(hf, spec, vocab_size)
     _check_complete(hf, spec)
     out: dict[str, Tensor] = {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"],
                                                                             vocab_size),
@@ -206,6 +255,8 @@ def hf_to_megatron(hf: Mapping[str, Tensor], spec: ArchSpec, vocab_size: int | N
 
 def megatron_to_hf(mc: Mapping[str, Tensor], spec: ArchSpec) -> dict[str, Tensor]:
     """The inverse of ``hf_to_megatron``: full (unsharded) Megatron tensors -> HF checkpoint names."""
+    if spec.family != "qwen3":
+        return _family(spec).megatron_to_hf(mc, spec)
     inverse = {m: h for h, m in _SIMPLE_LAYER.items()}
     vocab = spec.vocab_size
     out: dict[str, Tensor] = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"][:vocab],

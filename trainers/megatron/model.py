@@ -51,6 +51,9 @@ class ParallelSizes:
                         ("FFN hidden size", spec.ffn_hidden_size)):
             if n % tp:
                 problems.append(f"tensor_parallel={tp} does not divide the {what} ({n})")
+        for what, n in _family_split_dims(spec):
+            if n % tp:
+                problems.append(f"tensor_parallel={tp} does not divide the {what} ({n})")
         if self.stage_sizes(spec.num_layers) is None:
             problems.append(f"pipeline_parallel={self.pipeline} (first stage {self.first_stage_layers}, last stage "
                             f"{self.last_stage_layers}) cannot lay out the {spec.num_layers} layers; set "
@@ -74,6 +77,21 @@ class ParallelSizes:
                                 f"must divide the {world_size // self.pipeline} ranks of a pipeline stage")
         if problems:
             raise UserError("invalid Megatron parallel sizes: " + "; ".join(problems))
+
+
+def _family_split_dims(spec: ArchSpec) -> list[tuple[str, int]]:
+    """Further dimensions tensor parallelism splits in the DeepSeek-V3 / GLM-4.5 families (the local MLA
+    spec splits the latent down projections' outputs too, see sharding.py)."""
+    dims = []
+    if spec.shared_expert_ffn_hidden_size:
+        dims.append(("shared-expert FFN size", spec.shared_expert_ffn_hidden_size))
+    if spec.mla is not None:
+        m = spec.mla
+        dims.append(("KV down projection (kv_lora_rank + qk_rope_head_dim)",
+                     m.kv_lora_rank + m.qk_rope_head_dim))
+        if m.q_lora_rank is not None:
+            dims.append(("q_lora_rank", m.q_lora_rank))
+    return dims
 
 
 def layout_spec(config: Mapping[str, Any]) -> ArchSpec:
@@ -142,8 +160,24 @@ def transformer_config(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype 
                                                                   for i in range(spec.num_layers)],
             moe_grouped_gemm=False,
         )
+    kw.update(qk_layernorm=spec.qk_norm, add_qkv_bias=spec.qkv_bias, **_family_kwargs(spec))
     kw.update(overrides)
+    if spec.mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
+
+
+def _family_kwargs(spec: ArchSpec) -> dict[str, Any]:
+    """TransformerConfig fields of the DeepSeek-V3 / GLM-4.5 families (sigmoid router, shared experts,
+    MLA)."""
+    from miles_agent.trainers.megatron import arch_deepseek, arch_moe
+
+    kw = arch_moe.megatron_kwargs(spec) if spec.is_moe else {}
+    if spec.mla is not None:
+        kw.update(arch_deepseek.megatron_kwargs(spec))
+    return kw
 
 
 def build_gpt(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype = torch.float32, *,
@@ -161,14 +195,23 @@ def build_gpt(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype = torch.f
         raise UserError("the Transformer Engine layer spec is not wired into the converter yet; "
                         "set megatron.use_te=false")
     num_experts = spec.num_experts if spec.is_moe else None
-    layer_spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                qk_layernorm=True, normalization="RMSNorm")
+    if spec.family == "qwen3":
+        layer_spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=True, normalization="RMSNorm")
+    else:  # dense layers first, then MoE ones: one local spec per layer of this stage, from moe_layer_freq
+        layer_spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                      normalization="RMSNorm")
+    if spec.mla is not None:
+        from miles_agent.trainers.megatron import arch_deepseek
+
+        arch_deepseek.use_local_mla_attention(layer_spec.layer_specs)
     from megatron.core import parallel_state as ps
 
     return GPTModel(config=config, transformer_layer_spec=layer_spec,
                     vocab_size=padded_vocab(spec, sizes.tensor), max_sequence_length=spec.max_position_embeddings,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     position_embedding_type="rope", rotary_base=int(spec.rope_theta),
+                    rotary_percent=spec.rotary_percent,
                     share_embeddings_and_output_weights=spec.tied_embeddings)
 
 

@@ -4,7 +4,8 @@ Megatron-core's own rules, stated once:
 - column-parallel weights (fused QKV, the output layer, the vocabulary of the embedding) split rows;
   the fused QKV splits into whole query groups because its rows are grouped that way (bridge.py);
 - row-parallel weights (attention output, MLP down projection) split columns;
-- the gated ``linear_fc1`` splits gate and up separately: rank r holds [gate_r; up_r];
+- the gated ``linear_fc1`` splits gate and up separately: rank r holds [gate_r; up_r]; shared experts
+  (DeepSeek-V3, GLM-4.5) are a tensor-parallel MLP like a dense layer's;
 - experts go whole to expert-parallel ranks (local indices restart at 0); their own matrices split
   over expert-tensor-parallel ranks by the same column/row rules;
 - norms and the router are replicated; pipeline stages hold contiguous layers, numbered from 0 in
@@ -72,14 +73,23 @@ def _join(pieces: list[Tensor], how: str) -> Tensor:
     return first
 
 
+# Column-parallel in the local layer specs. MLA (arch_deepseek.py): the local spec builds even the down
+# projections column-parallel (rows split, outputs all-gathered before the latent norms); the up
+# projections split whole heads because their rows are per head.
+_ROWS = {"self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+         *(f"self_attention.linear_{p}.weight" for p in ("q_proj", "q_down_proj", "q_up_proj", "kv_down_proj",
+                                                          "kv_up_proj"))}
+
+
 def _layer_rule(rest: str) -> str:
-    if rest == "self_attention.linear_qkv.weight":
+    if rest in _ROWS:
         return "rows"
-    if rest in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+    if rest in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
+                "mlp.shared_experts.linear_fc2.weight"):
         return "cols"
-    if rest == "mlp.linear_fc1.weight":
+    if rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
         return "gated"
-    return "replicated"
+    return "replicated"  # norms, the router and its expert bias
 
 
 def shard(full: Mapping[str, Tensor], spec: ArchSpec, sizes: ParallelSizes, at: RankCoords) -> dict[str, Tensor]:
