@@ -8,6 +8,7 @@ the same run, with min / median / max over repeats, printed and written as JSON 
 | sandbox_overhead | bubblewrap sandbox exec latency | bare subprocess (ratio = cost multiple) |
 | weight_sync | bench/weight_sync.py (if present) | its own raw copy / broadcast baseline |
 | async_vs_sync | bench/async_vs_sync.py (if present) | its own synchronous loop |
+| weight_sync_ray | bench/weight_sync_ray.py (if present): the two weight paths under Ray | raw actor-to-actor put/get, gloo broadcast |
 | e2e_vs_trl | time to a target reward on arith-tools | TRL GRPOTrainer, single-turn |
 
     python bench/run_all.py                     # the full suite (tens of minutes on 2 CPU cores)
@@ -126,11 +127,17 @@ def _async_ratios(data: dict[str, Any]) -> dict[str, list[float]]:
             for mode, r in data["ratio_vs_sync"].items()}
 
 
+def _ray_sync_ratios(data: dict[str, Any]) -> dict[str, list[float]]:
+    """bench/weight_sync_ray.py JSON: per Ray path, path bandwidth / raw actor-to-actor baseline."""
+    return {f"weight sync under Ray, {label}": r["all"] for label, r in data["ratios"].items()}
+
+
 # How to run another part's bench: arguments (quick, full given repeats) and how to read its JSON.
 EXTERNAL: dict[str, tuple[list[str], Callable[[int], list[str]], Callable[[dict[str, Any]], dict[str, list[float]]]]] = {
     "weight_sync": (["--quick"], lambda n: ["--repeat", str(n)], _weight_sync_ratios),
     "async_vs_sync": (["--repeats", "1", "--steps", "2", "--warmup", "1", "--prompts", "2", "--samples", "2"],
                       lambda n: ["--repeats", str(n)], _async_ratios),
+    "weight_sync_ray": (["--quick"], lambda n: ["--repeats", str(n)], _ray_sync_ratios),
 }
 
 
@@ -189,6 +196,7 @@ BENCHES: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "sandbox_overhead": sandbox_overhead,
     "weight_sync": external("weight_sync"),
     "async_vs_sync": external("async_vs_sync"),
+    "weight_sync_ray": external("weight_sync_ray"),
     "e2e_vs_trl": e2e_vs_trl,
 }
 # e2e runs a whole training to a target on each side: one repeat unless asked otherwise.

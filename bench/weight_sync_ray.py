@@ -169,7 +169,7 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     result = {"bytes": nbytes, "repeats": repeats, "ratios": {}}
     for label, r in ratios.items():
-        s = {"min": min(r), "median": statistics.median(r), "max": max(r)}
+        s = {"min": min(r), "median": statistics.median(r), "max": max(r), "all": r}
         result["ratios"][label] = s
         print(f"{label}: median {s['median']:.2f}  (min {s['min']:.2f}, max {s['max']:.2f})"
               + (f"  goal >= {GOAL}" if "gloo" in label else ""))

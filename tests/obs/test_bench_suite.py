@@ -63,14 +63,14 @@ def test_quick_suite_reports_every_ratio(tmp_path):
     assert report["quick"] is True and report["machine"]["cpus"] >= 1 and "loadavg_end" in report["machine"]
     results = report["results"]
     assert set(results) == {"engine_vs_hf", "trainer_vs_trl", "sandbox_overhead", "weight_sync", "async_vs_sync",
-                            "e2e_vs_trl"}
+                            "weight_sync_ray", "e2e_vs_trl"}
     for name in ("engine_vs_hf", "trainer_vs_trl", "sandbox_overhead", "e2e_vs_trl"):
         assert results[name]["status"] == "ok", results[name]
         assert results[name]["ratios"], name
         for label, s in results[name]["ratios"].items():
             assert s["min"] <= s["median"] <= s["max"] and math.isfinite(s["median"]) and s["median"] > 0, label
             assert label in proc.stdout  # printed too
-    for name in ("weight_sync", "async_vs_sync"):  # other parts' scripts, run when present
+    for name in ("weight_sync", "async_vs_sync", "weight_sync_ray"):  # other parts' scripts, run when present
         assert results[name]["status"] in ("ok", "not available"), results[name]
         if results[name]["status"] == "not available":
             assert f"{name}: not available" in proc.stdout
