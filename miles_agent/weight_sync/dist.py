@@ -63,6 +63,18 @@ def destroy_group(group: Any) -> None:
         dist.destroy_process_group(group)
 
 
+def _unused_group_name(name: str) -> str:
+    """``name``, or ``name-2``, ``name-3``... : torch keeps one registry of group names per process, and a
+    group a dead peer never left (or another transport in this process) may still hold the name."""
+    from torch.distributed import distributed_c10d as c10d
+
+    taken = set(c10d._world.pg_names.values())
+    n = 1
+    while (candidate := name if n == 1 else f"{name}-{n}") in taken:
+        n += 1
+    return candidate
+
+
 def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((address, 0))
@@ -88,15 +100,13 @@ class DistributedTransport(EngineTransport):
         self.flatten = flatten
         self.group: Any = None
         self.active_group = group_name  # a broken group is abandoned and the next one gets a new name
-        self._formed = 0
         self._staging: torch.Tensor | None = None
 
     async def connect(self) -> None:
         """Form the group: every engine joins as rank 1 + i while this process joins as rank 0."""
         port = self.master_port or free_port(self.master_address)
         world = 1 + len(self.engines)
-        self._formed += 1
-        self.active_group = self.group_name if self._formed == 1 else f"{self.group_name}-{self._formed}"
+        self.active_group = _unused_group_name(self.group_name)
         joins = [asyncio.ensure_future(e.init_weights_update_group(
             master_address=self.master_address, master_port=port, rank_offset=1 + i, world_size=world,
             group_name=self.active_group, backend=self.backend)) for i, e in enumerate(self.engines)]
