@@ -43,7 +43,13 @@ from miles_agent.trainers import checkpoint as ckpt
 from miles_agent.trainers import routing_replay
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
 from miles_agent.trainers.lr_schedule import lr_at
-from miles_agent.trainers.minibatch import normalizers, row_weight_tensor, split_mini_batches, to_grid
+from miles_agent.trainers.minibatch import (
+    normalizers,
+    row_weight_tensor,
+    split_mini_batches,
+    step_metrics,
+    to_grid,
+)
 from miles_agent.types import Trajectory
 
 
@@ -288,25 +294,8 @@ class FSDP2Trainer:
                 dist.all_reduce(stacked)
                 dist.all_reduce(mx, op=dist.ReduceOp.MAX)
             values = dict(zip(names, stacked.tolist()))
-        out = {k: v / len(grad_norms) for k, v in values.items() if not k.startswith("mismatch/")}
-        measured = max(values.get("mismatch/tokens", 0.0), 1.0)
-        if "mismatch/tokens" in values:
-            out.update(logprob_mismatch_mean=values["mismatch/abs_sum"] / measured, logprob_mismatch_max=float(mx),
-                       mismatch_k1=values["mismatch/k1_sum"] / measured,
-                       mismatch_k3=values["mismatch/k3_sum"] / measured,
-                       mismatch_out_of_range=values["mismatch/out_of_range"] / measured)
-        trained = max(float(sum(sum(t.loss_mask) for t in trajs)) * self.train_cfg.ppo_epochs, 1.0)
-        if "mismatch/weight_sum" in values:  # over every token of every step
-            out.update(mismatch_masked_frac=values["mismatch/masked_tokens"] / trained,
-                       mismatch_weight_mean=values["mismatch/weight_sum"] / trained)
-        finite = [g for g in grad_norms if math.isfinite(g)]
-        out.update(grad_norm=sum(finite) / len(finite) if finite else math.nan,
-                   lr=float(self.optimizer.param_groups[0]["lr"]),
-                   tokens=float(sum(sum(t.loss_mask) for t in trajs)),
-                   seqs=float(sum(1 for t in trajs if any(t.loss_mask))), step=float(self.step),
-                   optimizer_steps=float(len(grad_norms)), mini_batches=float(n_minis),
-                   skipped_step=float(len(grad_norms) - len(finite)))
-        return out
+        return step_metrics(values, float(mx), grad_norms, trajs, n_minis, self.train_cfg.ppo_epochs,
+                            float(self.optimizer.param_groups[0]["lr"]), self.step)
 
     # -- weights out --------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:

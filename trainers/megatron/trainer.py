@@ -16,7 +16,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_agent.algorithms.losses import compute_loss, loss_options, require_single_step, validate_options
+from miles_agent.algorithms import mismatch
+from miles_agent.algorithms.distill import distill_loss
+from miles_agent.algorithms.estimators import needs_reference
+from miles_agent.algorithms.losses import compute_loss, loss_options, validate_options
 from miles_agent.atomic import replace_dir
 from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_agent.errors import UserError, require
@@ -35,6 +38,13 @@ from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.trainers.megatron import bridge
 from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded_vocab
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
+from miles_agent.trainers.minibatch import (
+    normalizers,
+    row_weight_tensor,
+    split_mini_batches,
+    step_metrics,
+    to_grid,
+)
 from miles_agent.types import Trajectory
 
 
@@ -47,10 +57,16 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         validate_options(algo)
-        require_single_step("megatron", train, algo)
-        if algo.kl_coef > 0:
-            raise UserError("algo.kl_coef > 0 needs a reference model, which the Megatron backend does not "
-                            "keep yet; use train.backend=fsdp2 or algo.kl_coef=0")
+        mismatch.check_options(algo)
+        if train.mini_batches < 1 or train.ppo_epochs < 1:
+            raise UserError(f"train.mini_batches and train.ppo_epochs must be >= 1 (got {train.mini_batches}, "
+                            f"{train.ppo_epochs})")
+        if not temperature > 0:
+            raise UserError(f"temperature must be > 0 (got {temperature}); logits are divided by it")
+        for name in ("routing_replay", "true_on_policy"):
+            if getattr(algo, name):
+                raise UserError(f"algo.{name} is implemented by the fsdp2 trainer only; set train.backend=fsdp2 "
+                                f"or algo.{name}=false")
         mcfg = megatron or MegatronConfig()
         self.sizes = ParallelSizes(tensor=mcfg.tensor_parallel, pipeline=mcfg.pipeline_parallel,
                                    expert=mcfg.expert_parallel, context=mcfg.context_parallel,
@@ -80,15 +96,17 @@ class MegatronTrainer:
         self.coords = RankCoords(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                  ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.model = build_gpt(self.spec, self.sizes, next(model.parameters()).dtype).to(self.device)
+        dtype = next(model.parameters()).dtype
         full = bridge.hf_to_megatron(bridge.hf_checkpoint_tensors(model), self.spec,
                                      padded_vocab(self.spec, self.sizes.tensor))
         local = shard(full, self.spec, self.sizes, self.coords)
-        missing, unexpected = self.model.load_state_dict(local, strict=False)
-        if unexpected or any(not k.endswith("_extra_state") for k in missing):
-            raise RuntimeError(f"converted weights do not fit the Megatron model: missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]}")
-        del full, local
+        del full
+        self.model = self._build_loaded(local, dtype)
+        self.ref_model: torch.nn.Module | None = None
+        if needs_reference(algo):  # a frozen copy of the initial policy, sharded the same way (not saved)
+            self.ref_model = self._build_loaded(local, dtype).requires_grad_(False).eval()
+        del local
+        self.on_micro_batch: Callable[[int, int], None] | None = None  # (done, total): the live view's hook
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
                                            eps=train.adam_eps, weight_decay=train.weight_decay)
@@ -96,8 +114,17 @@ class MegatronTrainer:
         self.step = 0
         lr_at(train, 0)
 
+    def _build_loaded(self, local: dict[str, Tensor], dtype: torch.dtype) -> torch.nn.Module:
+        """This rank's GPTModel holding ``local`` (its shard of the converted weights)."""
+        gpt = build_gpt(self.spec, self.sizes, dtype).to(self.device)
+        missing, unexpected = gpt.load_state_dict(local, strict=False)
+        if unexpected or any(not k.endswith("_extra_state") for k in missing):
+            raise RuntimeError(f"converted weights do not fit the Megatron model: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
+        return gpt
+
     # -- forward ------------------------------------------------------------------------------------
-    def _logp(self, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
+    def _logp(self, model: torch.nn.Module, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
               ) -> tuple[Tensor, Tensor | None]:
         """Logprob of each grid target at ``temperature``, vocabulary-parallel across TP ranks; padded
         vocabulary rows are excluded from the softmax."""
@@ -107,7 +134,7 @@ class MegatronTrainer:
         b, length = ids.shape
         positions = torch.arange(length, device=ids.device).expand(b, -1)
         causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=ids.device), 1)[None, None]
-        logits = self.model(ids, positions, causal)[:, mb.offset:-1].float() / self.temperature
+        logits = model(ids, positions, causal)[:, mb.offset:-1].float() / self.temperature
         logits = self._mask_padded_vocab(logits)
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), mb.targets)
         ent = None
@@ -141,53 +168,108 @@ class MegatronTrainer:
         return lse - p_z
 
     def _micro_batches(self, trajectories: Sequence[Trajectory], plan: list[list[int]],
-                       advantages: Sequence[Sequence[float]] | None) -> list[MicroBatch]:
-        return [build_micro_batch(trajectories, idx, advantages, self.pad_id).to(self.device) for idx in plan]
+                       advantages: Sequence[Sequence[float]] | None,
+                       teacher: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
+        return [build_micro_batch(trajectories, idx, advantages, self.pad_id, teacher).to(self.device)
+                for idx in plan]
 
     @torch.no_grad()
-    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+    def _no_grad_logps(self, model: torch.nn.Module, mbs: Sequence[MicroBatch]) -> list[Tensor]:
+        model.eval()
+        return [self._logp(model, mb)[0] for mb in mbs]
+
+    def compute_logprobs(self, trajectories: Sequence[Trajectory], reference: bool = False) -> list[list[float]]:
+        """Current-policy (or, with ``reference``, reference-policy) logprob per response position
+        (0.0 where the model did not sample). Every rank computes all trajectories (a collective)."""
+        model = self.model
+        if reference:
+            if self.ref_model is None:
+                raise ValueError("no reference model: it exists only with algo.kl_coef or algo.kl_reward_coef > 0")
+            model = self.ref_model
         lengths = [len(t.tokens) for t in trajectories]
         plan = pack_micro_batches(range(len(trajectories)), lengths, self.train_cfg.micro_batch_tokens)
         out: list[list[float]] = [[] for _ in trajectories]
-        self.model.eval()
         for mb in self._micro_batches(trajectories, plan, None):
-            logp, _ = self._logp(mb)
+            (logp,) = self._no_grad_logps(model, [mb])
             for i, row in zip(mb.indices, mb.rows_to_lists(logp)):
                 out[i] = row
         return out
 
     # -- the step -----------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over the whole batch, the loss normalized by the global batch (as FSDP2)."""
-        trajs = batch.trajectories
-        plan = rank_plan([len(t.tokens) for t in trajs], self.train_cfg.micro_batch_tokens,
-                         self.dp_size, self.dp_rank)
-        mbs = self._micro_batches(trajs, plan, batch.advantages)
-        norm = {"num_tokens": float(sum(sum(t.loss_mask) for t in trajs)),
-                "num_seqs": float(sum(1 for t in trajs if any(t.loss_mask)))}
-        olds: list[Tensor | None] = [None] * len(mbs)
-        if not self.algo.use_rollout_logprobs:
-            self.model.eval()
-            with torch.no_grad():
-                olds = [self._logp(mb)[0] for mb in mbs]
+        """``train.mini_batches`` x ``train.ppo_epochs`` optimizer steps, laid out exactly as the FSDP2
+        trainer lays them out (``minibatch``): the old and reference logprobs are computed once, before the
+        first step; each step's loss is normalized by its own share. Metrics are means over the steps."""
+        trajs, cfg = batch.trajectories, self.train_cfg
+        lengths = [len(t.tokens) for t in trajs]
+        minis = split_mini_batches([t.group_id for t in trajs], cfg.mini_batches)
+        steps = []  # per mini-batch: (its micro-batches, olds, refs, normalizers)
+        for mini in minis:
+            plan = [[mini[j] for j in mb] for mb in rank_plan([lengths[i] for i in mini], cfg.micro_batch_tokens,
+                                                                self.dp_size, self.dp_rank)]
+            mbs = self._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
+            olds = self._given_or_computed(mbs, batch.old_logprobs, None if self.algo.use_rollout_logprobs
+                                           else self.model)
+            refs = self._given_or_computed(mbs, batch.ref_logprobs, self.ref_model)
+            steps.append((mbs, olds, refs, normalizers(trajs, mini, self.algo.loss_agg)))
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Tensor] = {}
-        mismatch_max = torch.zeros((), device=self.device)
-        for mb, old in zip(mbs, olds):
-            logp, entropy = self._logp(mb, entropy=True, entropy_grad=self.algo.entropy_coef != 0)
-            loss, metrics = compute_loss(logp, mb.rollout_logp if old is None else old, mb.advantages,
-                                         mb.loss_mask, ref_logp=None, entropy=entropy, **self._loss_opts, **norm)
-            loss.backward()  # each data-parallel rank's loss is its share of the global sum
-            diff = (logp.detach() - mb.rollout_logp).abs() * mb.loss_mask
-            metrics["logprob_mismatch_mean"] = diff.sum() / max(norm["num_tokens"], 1.0)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-            if diff.numel():
-                mismatch_max = torch.maximum(mismatch_max, diff.max())
-        self._sync_grads()
-        grad_norm = self._clip_and_step()
-        return self._reduce_metrics(sums, mismatch_max, grad_norm, norm)
+        grad_norms = []
+        done, total = 0, cfg.ppo_epochs * sum(len(step[0]) for step in steps)
+        for epoch in range(cfg.ppo_epochs):
+            for m, (mbs, olds, refs, norm) in enumerate(steps):
+                self.optimizer.zero_grad(set_to_none=True)
+                # the mismatch is measured where the trainer's pre-update logprobs are known
+                measure = epoch == 0 and (olds[0] is not None or m == 0)
+                for mb, old, ref in zip(mbs, olds, refs):
+                    for k, v in self._micro_step(mb, old, ref, norm, measure).items():
+                        sums[k] = torch.maximum(sums[k], v) if k == "mismatch/abs_max" and k in sums \
+                            else sums.get(k, 0.0) + v
+                    done += 1
+                    if self.on_micro_batch is not None:
+                        self.on_micro_batch(done, total)
+                grad_norms.append(self._clip_and_step())
+        return self._reduce_metrics(sums, grad_norms, len(minis), trajs)
+
+    def _given_or_computed(self, mbs: Sequence[MicroBatch], rows: list[list[float]] | None,
+                           model: torch.nn.Module | None) -> list[Tensor | None]:
+        """Per micro-batch: the driver's rows laid on the grid, else ``model``'s logprobs, else None."""
+        if rows is not None:
+            return [to_grid(mb, rows) for mb in mbs]
+        if model is None:
+            return [None] * len(mbs)
+        return self._no_grad_logps(model, mbs)
+
+    def _micro_step(self, mb: MicroBatch, old: Tensor | None, ref: Tensor | None, norm: dict,
+                    measure: bool) -> dict[str, Tensor]:
+        """One micro-batch's share of the step's loss, backward, and its metric shares: the FSDP2 trainer's
+        terms (``compute_loss``, ``mismatch``, ``distill_loss``) on vocabulary-parallel logprobs."""
+        logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=self.algo.entropy_coef != 0)
+        a = self.algo
+        is_weights = None
+        if a.mismatch_correction != "none":  # check_options guarantees the trainer's own old logprobs
+            is_weights = mismatch.correction_weights(old, mb.rollout_logp, mb.loss_mask,
+                                                     correction=a.mismatch_correction, level=a.mismatch_level,
+                                                     low=a.mismatch_low, high=a.mismatch_high, veto=a.mismatch_veto)
+        loss, metrics = compute_loss(logp, mb.rollout_logp if old is None else old, mb.advantages, mb.loss_mask,
+                                     ref_logp=ref, entropy=entropy, is_weights=is_weights,
+                                     num_tokens=norm["num_tokens"], num_seqs=norm["num_seqs"],
+                                     row_weights=row_weight_tensor(mb, norm), **self._loss_opts)
+        if mb.teacher_logp is not None:  # on-policy distillation in loss mode (algorithms/distill.py)
+            term, extra = distill_loss(logp, mb.teacher_logp, mb.loss_mask, coef=a.distill_coef,
+                                       loss_agg=a.loss_agg, num_tokens=norm["num_tokens"],
+                                       num_seqs=norm["num_seqs"])
+            loss, metrics = loss + term, {**metrics, **extra, "loss": metrics["loss"] + extra["distill_loss"]}
+        loss.backward()  # each data-parallel rank's loss is its share of the global sum (_sync_grads sums)
+        if is_weights is not None:
+            metrics["mismatch/masked_tokens"] = ((is_weights == 0) & (mb.loss_mask > 0)).float().sum()
+            metrics["mismatch/weight_sum"] = (is_weights * mb.loss_mask).sum()
+        if measure:
+            pre_update = logp.detach() if old is None else old
+            sums = mismatch.mismatch_sums(pre_update, mb.rollout_logp, mb.loss_mask, low=a.mismatch_low,
+                                          high=a.mismatch_high)
+            metrics.update({f"mismatch/{k}": v for k, v in sums.items()})
+        return metrics
 
     def _sync_grads(self) -> None:
         """Sum gradients over data-parallel ranks (expert weights over their expert-data-parallel ranks)."""
@@ -205,9 +287,11 @@ class MegatronTrainer:
                 dist.all_reduce(p.grad, group=group)
 
     def _clip_and_step(self) -> float:
-        """Global grad norm over the model-parallel shards (replicated tensors counted once)."""
+        """Sum the gradients over data-parallel ranks, clip by the global norm over the model-parallel
+        shards (replicated tensors counted once), step; a non-finite norm skips the step."""
         from megatron.core import parallel_state as ps
 
+        self._sync_grads()
         sq = torch.zeros((), device=self.device)
         for name, p in self.model.named_parameters():
             if p.grad is None:
@@ -234,10 +318,13 @@ class MegatronTrainer:
         self.step += 1
         return grad_norm
 
-    def _reduce_metrics(self, sums: dict[str, Tensor], mismatch_max: Tensor, grad_norm: float,
-                        norm: dict[str, float]) -> dict[str, float]:
+    def _reduce_metrics(self, sums: dict[str, Tensor], grad_norms: list[float], n_minis: int,
+                        trajs: Sequence[Trajectory]) -> dict[str, float]:
+        """Sum the metric shares over data-parallel ranks (tensor-parallel ranks hold the same values),
+        then the FSDP2 trainer's summary (``minibatch.step_metrics``)."""
         from megatron.core import parallel_state as ps
 
+        mx = sums.pop("mismatch/abs_max", torch.zeros((), device=self.device))
         names = sorted(sums)
         values: dict[str, float] = {}
         if names:
@@ -245,13 +332,10 @@ class MegatronTrainer:
             if self.dp_size > 1:
                 group = ps.get_data_parallel_group()
                 dist.all_reduce(stacked, group=group)
-                dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
             values = dict(zip(names, stacked.tolist()))
-        values.update(logprob_mismatch_max=float(mismatch_max), grad_norm=grad_norm,
-                      lr=float(self.optimizer.param_groups[0]["lr"]), tokens=norm["num_tokens"],
-                      seqs=norm["num_seqs"], step=float(self.step),
-                      skipped_step=0.0 if math.isfinite(grad_norm) else 1.0)
-        return values
+        return step_metrics(values, float(mx), grad_norms, trajs, n_minis, self.train_cfg.ppo_epochs,
+                            float(self.optimizer.param_groups[0]["lr"]), self.step)
 
     # -- weights out --------------------------------------------------------------------------------
     def _full_hf_state(self) -> dict[str, Tensor]:
