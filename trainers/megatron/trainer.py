@@ -130,11 +130,12 @@ class MegatronTrainer:
         vocabulary rows are excluded from the softmax."""
         from megatron.core import tensor_parallel
 
-        ids = mb.input_ids
+        ids = self._common_shape(mb.input_ids)
         b, length = ids.shape
         positions = torch.arange(length, device=ids.device).expand(b, -1)
         causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=ids.device), 1)[None, None]
-        logits = model(ids, positions, causal)[:, mb.offset:-1].float() / self.temperature
+        rows, cols = mb.targets.shape
+        logits = model(ids, positions, causal)[:rows, mb.offset:mb.offset + cols].float() / self.temperature
         logits = self._mask_padded_vocab(logits)
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), mb.targets)
         ent = None
@@ -142,6 +143,25 @@ class MegatronTrainer:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = self._vocab_parallel_entropy(logits if entropy_grad else logits.detach())
         return logp, ent
+
+    def _common_shape(self, ids: Tensor) -> Tensor:
+        """``ids`` padded (extra pad rows below, pad columns right) to the largest micro-batch among the
+        ranks whose tokens Megatron's all-gather MoE dispatcher (the CPU one) gathers: it needs equal
+        shapes, and data-parallel ranks hold different micro-batches. The padding is causal-invisible to
+        the real tokens, routed without capacity limits, and cut off before the loss."""
+        from megatron.core import parallel_state as ps
+
+        if not (self.spec.is_moe and self.model.config.moe_token_dispatcher_type == "allgather"
+                and self.sizes.expert * self.sizes.expert_tensor > 1):
+            return ids
+        shape = torch.tensor(ids.shape, device=ids.device)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
+        b, length = (int(x) for x in shape)
+        if (b, length) == tuple(ids.shape):
+            return ids
+        out = ids.new_full((b, length), self.pad_id)
+        out[:ids.shape[0], :ids.shape[1]] = ids
+        return out
 
     def _mask_padded_vocab(self, logits: Tensor) -> Tensor:
         per_rank = logits.shape[-1]
@@ -272,16 +292,27 @@ class MegatronTrainer:
         return metrics
 
     def _sync_grads(self) -> None:
-        """Sum gradients over data-parallel ranks (expert weights over their expert-data-parallel ranks)."""
+        """Complete the gradients Megatron leaves partial (its ``finalize_model_grads`` rules, without its
+        DDP wrapper): replicated weights that see only this rank's heads (q/k norms) or sequence shard
+        are summed over tensor-parallel ranks; then every gradient is summed over data-parallel ranks
+        (expert weights over their expert-data-parallel ranks)."""
         from megatron.core import parallel_state as ps
 
         if dist.get_world_size() == 1:
             return
+        tp_group = ps.get_tensor_model_parallel_group()
         dense = ps.get_data_parallel_group(with_context_parallel=True)
         experts = ps.get_expert_data_parallel_group()
+        seq_parallel = self.model.config.sequence_parallel
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if self.sizes.tensor > 1:
+                if getattr(p, "average_gradients_across_tp_domain", False):
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=tp_group)
+                elif "q_layernorm" in name or "k_layernorm" in name or (
+                        seq_parallel and getattr(p, "sequence_parallel", False)):
+                    dist.all_reduce(p.grad, group=tp_group)
             group = experts if ".local_experts." in name else dense
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
@@ -292,18 +323,21 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         self._sync_grads()
-        sq = torch.zeros((), device=self.device)
+        # dense weights: distinct shards over the model-parallel (tensor x pipeline) ranks, TP-replicated
+        # ones counted once; expert weights: distinct over the expert-tensor x expert x pipeline ranks
+        dense, experts = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
-            shared_over_tp = not getattr(p, "tensor_model_parallel", False)
-            if shared_over_tp and self.coords.tensor != 0:
-                continue
-            if ".local_experts." not in name and self.coords.expert != 0:
-                continue  # dense weights are replicated over expert-parallel ranks
-            sq += p.grad.float().pow(2).sum()
+            if ".local_experts." in name:
+                experts += p.grad.float().pow(2).sum()
+            elif getattr(p, "tensor_model_parallel", False) or self.coords.tensor == 0:
+                dense += p.grad.float().pow(2).sum()
         if dist.get_world_size() > 1:
-            dist.all_reduce(sq, group=ps.get_model_parallel_group())
+            dist.all_reduce(dense, group=ps.get_model_parallel_group())
+            if self.spec.is_moe:
+                dist.all_reduce(experts, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        sq = dense + experts
         grad_norm = float(sq.sqrt())
         max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
         if math.isfinite(grad_norm):
