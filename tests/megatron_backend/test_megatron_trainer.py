@@ -83,7 +83,12 @@ def test_save_hf_and_checkpoint_round_trip(pair, tmp_path):
     assert again["loss"] == first["loss"] and again["grad_norm"] == first["grad_norm"]
 
 
-def test_pipeline_parallel_training_is_refused_clearly():
+def test_unwired_layouts_are_refused_clearly():
     model, tok = build_tiny("tiny-qwen3", seed=0)
-    with pytest.raises(UserError, match="pipeline_parallel"):
-        MegatronTrainer(model, tok, TrainConfig(), AlgoConfig(), megatron=MegatronConfig(pipeline_parallel=2))
+    with pytest.raises(UserError, match="context_parallel"):
+        MegatronTrainer(model, tok, TrainConfig(), AlgoConfig(), megatron=MegatronConfig(context_parallel=2))
+    model, tok = build_tiny("tiny-qwen3-moe", seed=0)
+    with pytest.raises(UserError, match="alltoall token dispatcher"):
+        MegatronTrainer(model, tok, TrainConfig(world_size=2), AlgoConfig(),
+                        megatron=MegatronConfig(pipeline_parallel=2))
+    assert not dist.is_initialized()

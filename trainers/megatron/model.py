@@ -125,6 +125,10 @@ def transformer_config(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype 
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
+        # packed micro-batches differ in length: pipeline stages exchange activation shapes first (a dense
+        # model has no token dispatcher; the default one, allgather, would refuse variable lengths)
+        variable_seq_lengths=sizes.pipeline > 1,
+        moe_token_dispatcher_type="alltoall",
     )
     if spec.is_moe:
         kw.update(

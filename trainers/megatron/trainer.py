@@ -6,8 +6,8 @@ FSDP2 trainer's micro-batch code, computes logprobs with Megatron's vocab-parall
 applies ``compute_loss`` from miles_agent.algorithms -- so an algorithm never knows the backend.
 Weights leave in the engine's HF names (``named_weights``), so every weight-sync transport works.
 
-Parallelism: tensor, expert and data parallel; pipeline parallel is refused for training here (the
-sharding plan and conversion support it; the pipeline schedule is not wired yet).
+Parallelism: tensor, expert, data and pipeline parallel (Megatron's 1F1B schedule, ``pipeline.py``);
+context parallel is refused. Gradients are completed as Megatron's ``finalize_model_grads`` does.
 """
 
 from __future__ import annotations
@@ -72,16 +72,19 @@ class MegatronTrainer:
                                    expert=mcfg.expert_parallel, context=mcfg.context_parallel,
                                    expert_tensor=mcfg.expert_tensor_parallel,
                                    first_stage_layers=mcfg.first_stage_layers, last_stage_layers=mcfg.last_stage_layers)
-        if self.sizes.pipeline > 1 or self.sizes.context > 1:
-            raise UserError("megatron.pipeline_parallel and megatron.context_parallel > 1 are not wired into "
-                            "the training step yet; use tensor/expert/data parallelism (pipeline=1, context=1)")
+        if self.sizes.context > 1:
+            raise UserError("megatron.context_parallel > 1 is not wired into the training step yet (the "
+                            "micro-batches are not split along the sequence); use megatron.context_parallel=1")
+        self.spec = bridge.arch_spec(model.config)
+        if self.sizes.pipeline > 1 and self.spec.is_moe and not torch.cuda.is_available():
+            raise UserError("megatron.pipeline_parallel > 1 with an MoE model needs Megatron's alltoall token "
+                            "dispatcher, which needs CUDA; on CPU use tensor/expert/data parallelism for MoE")
         self.train_cfg, self.algo, self.temperature = train, algo, float(temperature)
         self.tokenizer, self.device = tokenizer, torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._owns_group = init_distributed(self.device, train.world_size)  # the FSDP2 backend's join-or-create
-        self.spec = bridge.arch_spec(model.config)
         self.sizes.check(self.spec, dist.get_world_size())
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(self.sizes.tensor, self.sizes.pipeline,
@@ -124,18 +127,27 @@ class MegatronTrainer:
         return gpt
 
     # -- forward ------------------------------------------------------------------------------------
-    def _logp(self, model: torch.nn.Module, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
-              ) -> tuple[Tensor, Tensor | None]:
-        """Logprob of each grid target at ``temperature``, vocabulary-parallel across TP ranks; padded
-        vocabulary rows are excluded from the softmax."""
-        from megatron.core import tensor_parallel
-
+    def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+        """This stage's output for ``mb``: the logits on the last pipeline stage, hidden states before it
+        (a later stage's input arrives through Megatron's ``set_input_tensor``)."""
         ids = self._common_shape(mb.input_ids)
         b, length = ids.shape
         positions = torch.arange(length, device=ids.device).expand(b, -1)
         causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=ids.device), 1)[None, None]
+        return model(ids, positions, causal)
+
+    def _logp(self, model: torch.nn.Module, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
+              ) -> tuple[Tensor, Tensor | None]:
+        return self._logits_logp(self._forward(model, mb), mb, entropy, entropy_grad)
+
+    def _logits_logp(self, output: Tensor, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
+                     ) -> tuple[Tensor, Tensor | None]:
+        """Logprob of each grid target at ``temperature``, vocabulary-parallel across TP ranks; padded
+        vocabulary rows are excluded from the softmax."""
+        from megatron.core import tensor_parallel
+
         rows, cols = mb.targets.shape
-        logits = model(ids, positions, causal)[:rows, mb.offset:mb.offset + cols].float() / self.temperature
+        logits = output[:rows, mb.offset:mb.offset + cols].float() / self.temperature
         logits = self._mask_padded_vocab(logits)
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), mb.targets)
         ent = None
@@ -195,8 +207,19 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def _no_grad_logps(self, model: torch.nn.Module, mbs: Sequence[MicroBatch]) -> list[Tensor]:
+        """Every micro-batch's logprobs, on every rank (pipeline: computed on the last stage, broadcast)."""
         model.eval()
-        return [self._logp(model, mb)[0] for mb in mbs]
+        if self.sizes.pipeline == 1:
+            return [self._logp(model, mb)[0] for mb in mbs]
+        from miles_agent.trainers.megatron import pipeline
+
+        def loss_func(mb: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            logp = self._logits_logp(output, mb)[0]
+            return logp.sum() * 0.0, {"logp": logp}
+
+        outs = pipeline.run(model, mbs, self._forward, loss_func, forward_only=True)
+        return pipeline.from_last_stage([o["logp"] for o in outs] if outs else None,
+                                        [mb.targets.shape for mb in mbs], self.device)
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory], reference: bool = False) -> list[list[float]]:
         """Current-policy (or, with ``reference``, reference-policy) logprob per response position
@@ -241,8 +264,8 @@ class MegatronTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 # the mismatch is measured where the trainer's pre-update logprobs are known
                 measure = epoch == 0 and (olds[0] is not None or m == 0)
-                for mb, old, ref in zip(mbs, olds, refs):
-                    for k, v in self._micro_step(mb, old, ref, norm, measure).items():
+                for metrics in self._backward_micro_batches(mbs, olds, refs, norm, measure):
+                    for k, v in metrics.items():
                         sums[k] = torch.maximum(sums[k], v) if k == "mismatch/abs_max" and k in sums \
                             else sums.get(k, 0.0) + v
                     done += 1
@@ -260,11 +283,33 @@ class MegatronTrainer:
             return [None] * len(mbs)
         return self._no_grad_logps(model, mbs)
 
-    def _micro_step(self, mb: MicroBatch, old: Tensor | None, ref: Tensor | None, norm: dict,
-                    measure: bool) -> dict[str, Tensor]:
-        """One micro-batch's share of the step's loss, backward, and its metric shares: the FSDP2 trainer's
-        terms (``compute_loss``, ``mismatch``, ``distill_loss``) on vocabulary-parallel logprobs."""
-        logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=self.algo.entropy_coef != 0)
+    def _backward_micro_batches(self, mbs: Sequence[MicroBatch], olds: Sequence[Tensor | None],
+                                refs: Sequence[Tensor | None], norm: dict, measure: bool
+                                ) -> Iterator[dict[str, Tensor]]:
+        """Forward and backward of one optimizer step's micro-batches; their metric shares (with pipeline
+        parallelism: Megatron's 1F1B schedule, the metrics on the last stage only)."""
+        entropy_grad = self.algo.entropy_coef != 0
+        if self.sizes.pipeline == 1:
+            for mb, old, ref in zip(mbs, olds, refs):
+                logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=entropy_grad)
+                loss, metrics = self._loss(logp, entropy, mb, old, ref, norm, measure)
+                loss.backward()  # each data-parallel rank's loss is its share of the global sum (_sync_grads)
+                yield metrics
+            return
+        from miles_agent.trainers.megatron import pipeline
+
+        extra = {id(mb): (old, ref) for mb, old, ref in zip(mbs, olds, refs)}
+
+        def loss_func(mb: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            logp, entropy = self._logits_logp(output, mb, entropy=True, entropy_grad=entropy_grad)
+            return self._loss(logp, entropy, mb, *extra[id(mb)], norm, measure)
+
+        yield from pipeline.run(self.model, mbs, self._forward, loss_func, forward_only=False)
+
+    def _loss(self, logp: Tensor, entropy: Tensor | None, mb: MicroBatch, old: Tensor | None, ref: Tensor | None,
+              norm: dict, measure: bool) -> tuple[Tensor, dict[str, Tensor]]:
+        """One micro-batch's share of the step's loss and its metric shares: the FSDP2 trainer's terms
+        (``compute_loss``, ``mismatch``, ``distill_loss``) on vocabulary-parallel logprobs."""
         a = self.algo
         is_weights = None
         if a.mismatch_correction != "none":  # check_options guarantees the trainer's own old logprobs
@@ -280,7 +325,6 @@ class MegatronTrainer:
                                        loss_agg=a.loss_agg, num_tokens=norm["num_tokens"],
                                        num_seqs=norm["num_seqs"])
             loss, metrics = loss + term, {**metrics, **extra, "loss": metrics["loss"] + extra["distill_loss"]}
-        loss.backward()  # each data-parallel rank's loss is its share of the global sum (_sync_grads sums)
         if is_weights is not None:
             metrics["mismatch/masked_tokens"] = ((is_weights == 0) & (mb.loss_mask > 0)).float().sum()
             metrics["mismatch/weight_sum"] = (is_weights * mb.loss_mask).sum()
@@ -289,7 +333,7 @@ class MegatronTrainer:
             sums = mismatch.mismatch_sums(pre_update, mb.rollout_logp, mb.loss_mask, low=a.mismatch_low,
                                           high=a.mismatch_high)
             metrics.update({f"mismatch/{k}": v for k, v in sums.items()})
-        return metrics
+        return loss, metrics
 
     def _sync_grads(self) -> None:
         """Complete the gradients Megatron leaves partial (its ``finalize_model_grads`` rules, without its
@@ -304,6 +348,13 @@ class MegatronTrainer:
         dense = ps.get_data_parallel_group(with_context_parallel=True)
         experts = ps.get_expert_data_parallel_group()
         seq_parallel = self.model.config.sequence_parallel
+        if self.sizes.pipeline > 1 and self.spec.tied_embeddings and ps.is_rank_in_embedding_group():
+            # tied embeddings: the first stage's input embedding and the last stage's output layer are one
+            # weight held twice; both copies get the sum of their gradients
+            shared = self.model.shared_embedding_or_output_weight()
+            if shared.grad is None:
+                shared.grad = torch.zeros_like(shared)
+            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -329,6 +380,8 @@ class MegatronTrainer:
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
+            if getattr(p, "shared", False):
+                continue  # the last stage's copy of tied embeddings: counted on the first stage
             if ".local_experts." in name:
                 experts += p.grad.float().pow(2).sum()
             elif getattr(p, "tensor_model_parallel", False) or self.coords.tensor == 0:
@@ -368,6 +421,10 @@ class MegatronTrainer:
                 dist.all_reduce(stacked, group=group)
                 dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
             values = dict(zip(names, stacked.tolist()))
+        if self.sizes.pipeline > 1:  # the losses ran on the last stage
+            from miles_agent.trainers.megatron import pipeline
+
+            values, mx = pipeline.object_from_last_stage((values, float(mx)))
         return step_metrics(values, float(mx), grad_norms, trajs, n_minis, self.train_cfg.ppo_epochs,
                             float(self.optimizer.param_groups[0]["lr"]), self.step)
 
