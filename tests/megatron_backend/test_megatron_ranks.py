@@ -1,6 +1,6 @@
-"""Two gloo ranks: the Megatron trainer with tensor parallelism (vocabulary-parallel logprobs, sharded
-linears) and with expert + data parallelism (each rank its share of the batch, gradients summed)
-computes the single-process FSDP2 step, with every step option on at once."""
+"""Several gloo ranks: the Megatron trainer with tensor parallelism (vocabulary-parallel logprobs, sharded
+linears), pipeline parallelism (Megatron's schedule), and expert + data parallelism (each rank its share
+of the batch, gradients summed) computes the single-process FSDP2 step, with every step option on at once."""
 
 from __future__ import annotations
 
@@ -52,14 +52,16 @@ def _run_ranks(world: int, case_dir: Path) -> list[dict]:
     return [torch.load(case_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-@pytest.mark.parametrize("arch,megatron", [
-    ("tiny-qwen3", dict(tensor_parallel=2)),
+@pytest.mark.parametrize("arch,world,megatron", [
+    ("tiny-qwen3", 2, dict(tensor_parallel=2)),
     # Megatron's 1F1B schedule over gloo; uneven stages (1 + 3 layers), tied embeddings across them
-    ("tiny-qwen3", dict(pipeline_parallel=2, first_stage_layers=1)),
+    ("tiny-qwen3", 2, dict(pipeline_parallel=2, first_stage_layers=1)),
     # data parallel 2, experts split over the two ranks (~40 s on 2 busy cores: nightly)
-    pytest.param("tiny-qwen3-moe", dict(expert_parallel=2), marks=pytest.mark.slow),
+    pytest.param("tiny-qwen3-moe", 2, dict(expert_parallel=2), marks=pytest.mark.slow),
+    # tensor 2 x pipeline 2: 4 processes, nightly
+    pytest.param("tiny-qwen3", 4, dict(tensor_parallel=2, pipeline_parallel=2), marks=pytest.mark.slow),
 ])
-def test_two_ranks_give_the_fsdp2_step(arch, megatron, tmp_path):
+def test_ranks_give_the_fsdp2_step(arch, world, megatron, tmp_path):
     algo, train = AlgoConfig(**ALGO), TrainConfig(**TRAIN)
     trajs = trajectories()
     model, tok = build_tiny(arch, seed=3)
@@ -74,7 +76,7 @@ def test_two_ranks_give_the_fsdp2_step(arch, megatron, tmp_path):
     case = dict(arch=arch, seed=3, temperature=0.8, train=TRAIN, algo=ALGO, megatron=megatron,
                 trajectories=[t.to_dict() for t in trajs], advantages=adv)
     (tmp_path / "case.json").write_text(json.dumps(case))
-    results = _run_ranks(2, tmp_path)
+    results = _run_ranks(world, tmp_path)
     initial = build_tiny(arch, seed=3)[0].state_dict()
     for r in results:  # every rank reports the global metrics and gathers the same full weights
         assert_same_metrics(r["metrics"], want)
