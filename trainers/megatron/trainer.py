@@ -232,8 +232,8 @@ class MegatronTrainer:
         lengths = [len(t.tokens) for t in trajectories]
         plan = pack_micro_batches(range(len(trajectories)), lengths, self.train_cfg.micro_batch_tokens)
         out: list[list[float]] = [[] for _ in trajectories]
-        for mb in self._micro_batches(trajectories, plan, None):
-            (logp,) = self._no_grad_logps(model, [mb])
+        mbs = self._micro_batches(trajectories, plan, None)
+        for mb, logp in zip(mbs, self._no_grad_logps(model, mbs)):
             for i, row in zip(mb.indices, mb.rows_to_lists(logp)):
                 out[i] = row
         return out
