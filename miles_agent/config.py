@@ -46,6 +46,7 @@ class RolloutConfig:
     mode: str = "sync"  # sync | one_step_off (next batch generated while training) | async (continuous)
     max_staleness: int = 1  # a trained sample's oldest span is at most this many weight versions old
     stale: str = "recycle"  # a sample past max_staleness: recycle (re-run with newer weights) | drop
+    max_recycles: int = 3  # recycle: re-runs of one stale sample before it is dropped (stale_gave_up)
     partial_rollout: str = "keep"  # episodes in flight at an async weight update: keep | abort | retract
 
 

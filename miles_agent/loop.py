@@ -16,6 +16,7 @@ drives Ray actors later.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import random
@@ -23,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from miles_agent import registry
 from miles_agent.config import Config
@@ -39,6 +42,8 @@ from miles_agent.scheduling import RolloutScheduler, TaskSampler
 from miles_agent.scheduling import check_config as check_scheduling
 from miles_agent.sinks import build_sinks
 from miles_agent.types import Status
+
+ROUTING_FILE = "routing.npz"  # R3 routing of the episodes a checkpoint buffers (miles_agent.scheduling)
 
 
 def build_env(cfg: Config) -> Environment:
@@ -112,10 +117,10 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=self._sandbox_factory())
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
-        # R3: episodes call the engine through a recorder of routed experts, attached to each batch
+        # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
         self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
-                                          seed=cfg.run.seed, policy=self.routing)
+                                          seed=cfg.run.seed, routing=self.routing)
         self.group_filter = None
         if cfg.algo.dynamic_sampling:  # DAPO: uninformative groups are replaced by fresh tasks
             from miles_agent.algorithms.dynamic_sampling import InformativeGroupFilter
@@ -160,8 +165,6 @@ class Run:
                     progress.phase("rollout", total=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
                 t0 = time.perf_counter()
                 trajs, sched_metrics = await self.scheduler.next_batch(version=self.step)
-                if self.routing is not None:
-                    self.routing.attach(trajs)
                 t1 = time.perf_counter()
                 trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
                 if not trainable:
@@ -226,12 +229,15 @@ class Run:
     def save_checkpoint(self) -> Path:
         """Trainer state + loop state (scheduler buffer, RNG) in ``checkpoints/step_N``, atomically."""
         counters = {k: v for k, v in vars(self.runner.stats).items() if isinstance(v, int)}
+        arrays: dict[str, Any] = {}  # R3 routing of buffered episodes: a binary file, not JSON
         state = {"step": self.step, "weight_version": self.engine.weight_version, "episode_stats": counters,
-                 "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
+                 "scheduler": self.scheduler.state_dict(arrays), "rng": capture_rng()}
 
         def save_trainer(path: Path) -> None:
             self.trainer.save_checkpoint(path)
             self.batches.save_checkpoint(path.parent)  # the critic, when there is one
+            if arrays:
+                np.savez(path.parent / ROUTING_FILE, **arrays)
 
         return write_checkpoint(self.run_dir / "checkpoints", self.step, save_trainer, state)
 
@@ -242,7 +248,9 @@ class Run:
         self.step = state["step"]
         for name, value in state["episode_stats"].items():  # cumulative counters continue
             setattr(self.runner.stats, name, value)
-        self.scheduler.load_state_dict(state["scheduler"])
+        routing = path / ROUTING_FILE
+        with np.load(routing) if routing.is_file() else contextlib.nullcontext() as arrays:
+            self.scheduler.load_state_dict(state["scheduler"], arrays)
         restore_rng(state["rng"])
         self._resync_version = state["weight_version"]  # pushed to the engine when the loop starts
         # Steps logged after the checkpoint are redone: drop them from the log.

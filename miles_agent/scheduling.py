@@ -16,7 +16,15 @@ Three modes (``rollout.mode``):
 Staleness of a sample = the trainer's version - the oldest weight version among its model spans. It
 is checked after every generated span (an episode that can no longer be fresh enough stops early)
 and again when a batch is assembled; a stale sample is recycled (its episode re-run on newer
-weights) or dropped, per ``rollout.stale``, and counted either way.
+weights) or dropped, per ``rollout.stale``, and counted either way. A sample recycled
+``rollout.max_recycles`` times that comes back stale again is dropped (``stale_gave_up``): an episode
+that can never finish within the bound (a task slower than ``max_staleness`` weight updates) must not
+be re-run forever.
+
+R3 (``algo.routing_replay``): each episode attempt calls the engine through its own routing recorder
+(`RoutingCapture.episode`); a finished episode gets its routed experts the moment it ends (so they are
+saved with it in a checkpoint, and nothing is held for it while it waits for its batch), and the
+recorder of any attempt is dropped when the attempt ends.
 
 A group is one task played ``samples_per_prompt`` times, named by its position in the task stream.
 Batches are whole groups: in sync and one-step-off mode exactly the next ``prompts_per_step``
@@ -42,6 +50,7 @@ from miles_agent.environment import Task
 from miles_agent.errors import UserError
 from miles_agent.rollout.episode_policy import EpisodePolicy, Preempted, StaleEpisode
 from miles_agent.rollout.episodes import EpisodeRunner
+from miles_agent.rollout.routing_capture import RoutingCapture
 from miles_agent.types import Trajectory
 
 MODES = ("sync", "one_step_off", "async")
@@ -80,9 +89,11 @@ def staleness(traj: Trajectory, version: int) -> int:
 
 @dataclass
 class Slot:
-    """One sample of a group: the episode's trajectories once finished; ``runs`` = attempts started."""
+    """One sample of a group: the episode's trajectories once finished; ``runs`` = attempts started,
+    ``recycles`` = of those, re-runs because the sample was stale."""
 
     runs: int = 0
+    recycles: int = 0
     result: list[Trajectory] | None = None
     dropped: bool = False
     job: asyncio.Task | None = field(default=None, repr=False)
@@ -118,18 +129,22 @@ class RolloutScheduler:
     """Feeds the driver loop whole groups of trajectories, in the configured mode (module docstring)."""
 
     def __init__(self, runner: EpisodeRunner, sampler: TaskSampler, engine: RolloutEngine,
-                 engines: list[RolloutEngine], cfg: Any, seed: int, policy: Policy | None = None) -> None:
+                 engines: list[RolloutEngine], cfg: Any, seed: int, policy: Policy | None = None,
+                 routing: RoutingCapture | None = None) -> None:
         check_config(cfg)
         self.runner, self.sampler, self.engine, self.engines = runner, sampler, engine, engines
-        self.policy = policy or engine  # what episodes call (the engine, or a wrapper such as R3's recorder)
+        self.policy = policy or engine  # what episodes call (with R3, through a recorder of routing.policy)
+        self.routing = routing
         self.mode, self.stale, self.max_staleness = cfg.mode, cfg.stale, cfg.max_staleness
+        self.max_recycles = cfg.max_recycles
         self.pause_mode = PAUSE_MODES[cfg.partial_rollout]
         self.per_batch, self.samples = cfg.prompts_per_step, cfg.samples_per_prompt
         self.lookahead = {"sync": 0, "one_step_off": 1, "async": cfg.max_staleness}[cfg.mode]
         self.concurrency, self.seed = cfg.concurrency, seed
         self.groups: dict[int, Group] = {}  # launched and not yet trained on, by position
         self.consumed = 0  # batches handed to the trainer
-        self.counts = dict(stale_recycled=0, stale_dropped=0, preempted=0, groups_dropped=0, groups_filtered=0)
+        self.counts = dict(stale_recycled=0, stale_dropped=0, stale_gave_up=0, preempted=0, groups_dropped=0,
+                           groups_filtered=0)
         self.on_episode_done: Callable[[], None] | None = None
         # A filter on complete groups (e.g. DAPO dynamic sampling: keep groups whose rewards differ);
         # a rejected group is counted in groups_filtered and a new task takes its place.
@@ -218,15 +233,22 @@ class RolloutScheduler:
         slot = group.slots[i]
         try:
             while not slot.settled:
-                policy = EpisodePolicy(self.policy, (self.seed, group.position, i, slot.runs), epoch=lambda: self._epoch,
-                                       version=lambda: self.engine.weight_version, max_staleness=self.max_staleness)
+                recorder = self.routing.episode() if self.routing is not None else None
+                policy = EpisodePolicy(recorder or self.policy, (self.seed, group.position, i, slot.runs),
+                                       epoch=lambda: self._epoch, version=lambda: self.engine.weight_version,
+                                       max_staleness=self.max_staleness)
                 try:
                     async with self._sem:
                         slot.result = await self.runner.run(group.task, policy, group.group_id)
+                    if recorder is not None:
+                        recorder.attach(slot.result)
                 except Preempted:
                     self.counts["preempted"] += 1
                 except StaleEpisode:
                     self._count_stale(slot)
+                finally:
+                    if recorder is not None:
+                        recorder.discard()  # whatever ended the attempt, its calls are of no further use
                 if not slot.settled:
                     slot.runs += 1
         except asyncio.CancelledError:
@@ -242,7 +264,11 @@ class RolloutScheduler:
         if self.stale == "drop":
             slot.dropped = True
             self.counts["stale_dropped"] += 1
+        elif slot.recycles >= self.max_recycles:
+            slot.dropped = True  # recycled max_recycles times and stale again: give up on it
+            self.counts["stale_gave_up"] += 1
         else:
+            slot.recycles += 1
             self.counts["stale_recycled"] += 1
 
     # -- picking a batch ------------------------------------------------------------------------------
@@ -290,22 +316,27 @@ class RolloutScheduler:
     def _batch_metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
         """This batch's scheduling counters (staleness itself is reported by miles_agent.observe)."""
         mixed = sum(len(set(t.weight_versions)) > 1 for t in trajs)
-        return {**{k: float(v) for k, v in self.counts.items()}, "multi_version_samples": float(mixed)}
+        out = {**{k: float(v) for k, v in self.counts.items()}, "multi_version_samples": float(mixed)}
+        if self.routing is not None:
+            out["routing/missing"] = float(sum(bool(t.metadata.get("routing_missing")) for t in trajs))
+            out["routing/stored_calls"] = float(self.routing.stored_calls)
+        return out
 
     # -- checkpoint ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Finished episodes in full, unfinished ones as (position, sample, attempts) to regenerate."""
+    def state_dict(self, arrays: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Finished episodes in full, unfinished ones as (position, sample, attempts) to regenerate.
+        With ``arrays``, R3 routing goes there (saved as a binary side file) instead of into the JSON."""
         return {
             "mode": self.mode, "position": self.sampler.position, "consumed": self.consumed,
             "counts": dict(self.counts),
             "groups": [{"position": g.position, "task_id": g.task.id,
-                        "slots": [{"runs": s.runs, "dropped": s.dropped,
-                                   "result": None if s.result is None else [t.to_dict() for t in s.result]}
+                        "slots": [{"runs": s.runs, "recycles": s.recycles, "dropped": s.dropped,
+                                   "result": None if s.result is None else [t.to_dict(arrays) for t in s.result]}
                                   for s in g.slots]}
                        for g in sorted(self.groups.values(), key=lambda g: g.position)],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], arrays: Any = None) -> None:
         if state["mode"] != self.mode:
             raise UserError(f"--resume: the checkpoint was written in rollout.mode={state['mode']} but the "
                             f"config says {self.mode}; resume with rollout.mode={state['mode']}")
@@ -318,8 +349,8 @@ class RolloutScheduler:
                 raise UserError(f"--resume: task {g['position']} of the stream is {task.id!r} now but was "
                                 f"{g['task_id']!r}; the task set changed since the checkpoint -- resume with "
                                 "the same environment and tasks, or start a new run")
-            slots = [Slot(runs=s["runs"], dropped=s["dropped"],
-                          result=None if s["result"] is None else [Trajectory.from_dict(t) for t in s["result"]])
+            slots = [Slot(runs=s["runs"], recycles=s.get("recycles", 0), dropped=s["dropped"],
+                          result=None if s["result"] is None else [Trajectory.from_dict(t, arrays) for t in s["result"]])
                      for s in g["slots"]]
             self.groups[g["position"]] = Group(g["position"], task, slots)
 
@@ -334,6 +365,9 @@ def check_config(cfg: Any) -> None:
         raise UserError(f"rollout.partial_rollout={cfg.partial_rollout!r}; choose one of: {', '.join(PAUSE_MODES)}")
     if cfg.max_staleness < 0:
         raise UserError(f"rollout.max_staleness must be >= 0, got {cfg.max_staleness}")
+    if cfg.max_recycles < 0:
+        raise UserError(f"rollout.max_recycles={cfg.max_recycles} is negative; set it to 0 (drop a stale sample "
+                        "at once) or more (how many times a stale sample is re-run before it is dropped)")
     if cfg.mode == "one_step_off" and cfg.max_staleness < 1:
         raise UserError("rollout.mode=one_step_off trains on samples one version old; set "
                         "rollout.max_staleness >= 1 or use rollout.mode=sync")

@@ -185,19 +185,33 @@ class Trajectory:
         return self
 
     # -- serialization (rollout dumps, Ray transfer) -----------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, arrays: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """A JSON-ready dict. With ``arrays``, ``routed_experts`` goes there instead (a binary side file:
+        an MoE's routing is layers x top_k ints per token, far too big as JSON), named in the dict."""
+        routing: Any = None
+        if self.routed_experts is not None:
+            if arrays is None:
+                routing = self.routed_experts.tolist()
+            else:
+                routing = {"array": f"routing_{len(arrays)}"}
+                arrays[routing["array"]] = self.routed_experts
         return {
             "uid": self.uid, "task_id": self.task_id, "group_id": self.group_id, "episode_id": self.episode_id,
             "prompt_ids": self.prompt_ids, "tokens": self.tokens, "loss_mask": self.loss_mask,
             "rollout_logprobs": self.rollout_logprobs, "spans": [s.to_dict() for s in self.spans],
-            "routed_experts": None if self.routed_experts is None else self.routed_experts.tolist(),
+            "routed_experts": routing,
             "reward": self.reward, "reward_parts": self.reward_parts, "status": self.status.value,
             "metadata": self.metadata,
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+    def from_dict(cls, d: dict[str, Any], arrays: Any = None) -> Trajectory:
+        """The inverse of `to_dict`; ``arrays`` is where ``to_dict(arrays)`` put the routing."""
         re = d.get("routed_experts")
+        if isinstance(re, dict):
+            if arrays is None or re["array"] not in arrays:
+                raise ValueError(f"routed_experts is stored in a side file as {re['array']!r}, which was not given")
+            re = arrays[re["array"]]
         return cls(
             prompt_ids=list(d["prompt_ids"]), tokens=list(d["tokens"]), loss_mask=list(d["loss_mask"]),
             rollout_logprobs=list(d["rollout_logprobs"]), spans=[Span.from_dict(s) for s in d["spans"]],

@@ -9,6 +9,7 @@ moved to host while the trainer uses the device) and two fault-injection calls u
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -24,12 +25,16 @@ class EngineActor:
         import torch
 
         from miles_agent.rollout.local import LocalEngine
+        from miles_agent.weight_sync.receiver import LocalReceiver
 
         torch.set_num_threads(1)  # tiny CPU engines share cores with the trainer ranks
         self.device = device
         self.engine = LocalEngine(model, tokenizer, max_batch_size=max_batch_size, device=device,
                                   weight_version=weight_version, true_on_policy=true_on_policy)
         self.released = False
+        self.receiver = LocalReceiver(self.engine)  # SGLang's weight-update API over this engine
+        # Ray runs an async actor's calls concurrently; SGLang serves weight updates one at a time, in order
+        self.weight_lock = asyncio.Lock()
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams,
                        return_routed_experts: bool = False) -> Completion:
@@ -44,6 +49,31 @@ class EngineActor:
     async def update_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> int:
         await self.engine.update_weights(named_tensors, version)
         return self.engine.weight_version
+
+    # -- SGLang's weight-update calls, so trainer rank 0 can broadcast to this engine (runtime/rank0_sync.py)
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        await self.receiver.pause_generation(mode)
+
+    async def continue_generation(self) -> None:
+        await self.receiver.continue_generation()
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        await self.receiver.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                      group_name, backend)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, flush_cache: bool, weight_version: str | None,
+                                              load_format: str | None) -> None:
+        async with self.weight_lock:  # buckets are broadcast in order: receive them in the order announced
+            await self.receiver.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache,
+                                                                weight_version, load_format)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self.receiver.destroy_weights_update_group(group_name)
+
+    async def check_weights(self, action: str = "checksum") -> dict[str, Any]:
+        return await self.receiver.check_weights(action)
 
     async def probe(self) -> dict[str, Any]:
         """Alive, weight version, requests waiting or running, and decode/prefill steps taken so far:

@@ -119,7 +119,36 @@ class ObjectStoreTransport:
 
 
 def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
-    if cfg.sync.transport != "inprocess":
-        raise UserError(f"cluster.mode=ray sends weights to the engine actors through Ray's object store; "
-                        f"sync.transport={cfg.sync.transport} is for cluster.mode=local (leave sync.transport unset)")
-    return ObjectStoreTransport(engines[0])
+    """inprocess (the default): through Ray's object store, via the driver. distributed: trainer rank 0
+    broadcasts to the engine actors itself (runtime/rank0_sync.py)."""
+    sync = cfg.sync
+    if sync.transport == "inprocess":
+        return ObjectStoreTransport(engines[0])
+    if sync.transport != "distributed":
+        raise UserError(f"cluster.mode=ray sends weights through Ray's object store (sync.transport unset) or "
+                        f"from trainer rank 0 over a process group (sync.transport=distributed); "
+                        f"sync.transport={sync.transport} is for cluster.mode=local")
+    if cfg.cluster.colocate:
+        raise UserError("sync.transport=distributed cannot reach colocated engines: they share their trainer "
+                        "rank's GPU and NCCL cannot connect two processes on one device; leave "
+                        "sync.transport unset (object store) or set cluster.colocate=false")
+    from miles_agent.runtime.rank0_sync import RankZeroTransport
+    from miles_agent.weight_sync.core import prefix_map
+
+    if sync.bucket_mb < 1:
+        raise UserError(f"sync.bucket_mb must be >= 1, got {sync.bucket_mb}")
+    backend = sync.backend if sync.backend != "auto" else ("nccl" if cfg.model.device.startswith("cuda") else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise UserError(f"sync.backend must be gloo, nccl or auto, got {sync.backend!r}")
+    options = dict(backend=backend, master_address=_rank0_address(sync.master_address, session(cfg).loopback),
+                   bucket_bytes=sync.bucket_mb << 20, check=sync.check,
+                   name_map=prefix_map(sync.strip_prefix, sync.add_prefix))
+    return RankZeroTransport(trainer, engines[0], options)
+
+
+def _rank0_address(configured: str, loopback: bool) -> str:
+    """Where the engines meet rank 0: loopback when Ray runs on this machine only, else rank 0's node
+    (the configured loopback default cannot be reached from other nodes)."""
+    if loopback or configured not in ("127.0.0.1", "localhost"):
+        return configured
+    return ""  # rank 0 fills in its node's address

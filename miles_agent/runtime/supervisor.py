@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +147,35 @@ class EngineSupervisor:
                 "engine_memory_resumed": float(sum(bool(d) for d in done)),
                 "engine_restarts": float(self.stats["restarts"]),
                 "engine_aborted_requests": float(self.stats["aborted_requests"])}
+
+    async def push_with(self, send: Callable[[list[Any]], Awaitable[tuple[dict[str, float], list[Any]]]],
+                        version: int, attempts: int = 3) -> dict[str, float]:
+        """Weights delivered by someone else (trainer rank 0 over a process group, runtime/rank0_sync.py):
+        ``send(live_actors)`` sends them and returns its stats and the object refs a restarted engine loads.
+        An engine that dies meanwhile is replaced and the push retried with the engines still alive."""
+        self._bind()
+        assert self._lock is not None
+        async with self._lock:  # restarts wait, then load what this push left
+            for attempt in range(attempts):
+                live = [s for s in self._slots if s.ready]
+                try:
+                    stats, refs = await send([s.actor for s in live])
+                    break
+                except Exception:
+                    if attempt == attempts - 1 or not await self._drop_dead(live):
+                        raise  # not an engine failure (or too many): the run stops with the cause
+            self._weights, self._version = list(refs), int(version)
+        return {**stats, "sync_engines": float(len(live)), "engine_restarts": float(self.stats["restarts"]),
+                "engine_aborted_requests": float(self.stats["aborted_requests"])}
+
+    async def _drop_dead(self, slots: list[_Slot]) -> bool:
+        """Probe ``slots``; take the ones that do not answer out of rotation (they restart). Any taken out?"""
+        probes = await asyncio.gather(*(asyncio.wait_for(_awaitable(s.actor.probe.remote()), self.timeout)
+                                        for s in slots), return_exceptions=True)
+        dead = [(s, s.actor) for s, p in zip(slots, probes) if isinstance(p, BaseException)]
+        for slot, actor in dead:
+            self._failed(slot, actor, "died during a weight broadcast")
+        return bool(dead)
 
     async def _sync_one(self, slot: _Slot, actor: Any, ref: Any, version: int) -> bool | None:
         """Whether the engine had released its memory (colocation), or None when it died meanwhile."""

@@ -28,6 +28,7 @@ class TrainerActor:
 
     def __init__(self) -> None:
         self.trainer: Any = None
+        self.broadcaster: Any = None  # weight sync from rank 0 (sync.transport=distributed), made on first use
 
     def address(self, loopback: bool) -> tuple[str, int]:
         """Rank 0 names the rendezvous: its node's address and a free port there."""
@@ -58,6 +59,19 @@ class TrainerActor:
         """A collective: every rank gathers; rank 0 returns host copies, the others None."""
         out = [(n, t.detach().to("cpu", copy=True)) for n, t in self.trainer.named_weights()]
         return out if self.trainer.rank == 0 else None
+
+    def broadcast_weights(self, actors: list[Any], version: int, options: dict[str, Any]) -> Any:
+        """A collective: every rank gathers; rank 0 broadcasts to the engine ``actors`` and returns (stats,
+        object ref of a host copy) -- see miles_agent.runtime.rank0_sync."""
+        if self.trainer.rank != 0:
+            for _ in self.trainer.named_weights():
+                pass
+            return None
+        if self.broadcaster is None:
+            from miles_agent.runtime.rank0_sync import Rank0Broadcaster
+
+            self.broadcaster = Rank0Broadcaster(**options)
+        return self.broadcaster.push(self.trainer.named_weights(), actors, version)
 
     def save_checkpoint(self, path: str) -> None:
         self.trainer.save_checkpoint(Path(path))
@@ -131,6 +145,11 @@ class RayTrainerGroup:
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         yield from self._all([a.full_weights.remote() for a in self.actors])[0]
+
+    def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
+                          ) -> tuple[dict[str, float], Any]:
+        """Rank 0 sends the weights to ``engine_actors`` itself (``options``: `Rank0Broadcaster`'s)."""
+        return self._all([a.broadcast_weights.remote(engine_actors, version, options) for a in self.actors])[0]
 
     def save_checkpoint(self, path: Path) -> None:
         self._all([a.save_checkpoint.remote(str(path)) for a in self.actors])

@@ -1,0 +1,143 @@
+"""Weight sync under Ray from trainer rank 0 straight to the engine actors (``cluster.mode=ray`` with
+``sync.transport=distributed``): NCCL on GPU, gloo on CPU, over SGLang's weight-update calls
+(``init_weights_update_group`` / ``update_weights_from_distributed``), as slime and miles do.
+
+The default Ray path (`launch.ObjectStoreTransport`) gathers the weights into the driver and ``ray.put``s
+them; here the driver never holds a byte of them. At each push it hands rank 0 the handles of the live
+engine actors; every rank gathers its full tensors (a collective) while rank 0 broadcasts them bucket by
+bucket to a weight-update group it forms with those engines -- and re-forms when the set changes (an
+engine was restarted) or a broadcast broke.
+
+A restarted engine cannot join a broadcast that already happened, so rank 0 also leaves one host copy
+of each version in Ray's object store (one ``ray.put``; on GPU, one device-to-host copy per push); the
+`EngineSupervisor` loads it into replacements, exactly as on the default path. An engine that dies
+during a broadcast is replaced, and the push is retried with the engines still alive.
+
+Colocated engines (``cluster.colocate``) share their trainer rank's GPU, and NCCL cannot connect two
+processes on one device: they keep the default path (`launch.build_transport` says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+from miles_agent.weight_sync.core import NameMap
+from miles_agent.weight_sync.receiver import DEFAULT_GROUP
+
+
+class ActorReceiver:
+    """A `WeightReceiver` over an `EngineActor` handle: each call is the actor method of the same name."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        await self.actor.pause_generation.remote(mode)
+
+    async def continue_generation(self) -> None:
+        await self.actor.continue_generation.remote()
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = DEFAULT_GROUP,
+                                        backend: str = "nccl") -> None:
+        await self.actor.init_weights_update_group.remote(master_address, master_port, rank_offset, world_size,
+                                                          group_name, backend)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None) -> None:
+        await self.actor.update_weights_from_distributed.remote(names, dtypes, shapes, group_name, flush_cache,
+                                                                weight_version, load_format)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        await self.actor.destroy_weights_update_group.remote(group_name)
+
+    async def check_weights(self, action: str = "checksum") -> dict[str, Any]:
+        return await self.actor.check_weights.remote(action)
+
+
+class Rank0Broadcaster:
+    """Held by trainer rank 0: the weight-update group with the current engine actors, and the push."""
+
+    def __init__(self, *, backend: str, master_address: str, bucket_bytes: int, check: bool,
+                 name_map: NameMap) -> None:
+        if not master_address:  # a multi-node cluster: the engines meet rank 0 on its node's address
+            import ray
+
+            master_address = ray.util.get_node_ip_address()
+        self.options = dict(backend=backend, master_address=master_address, bucket_bytes=bucket_bytes,
+                            check=check, name_map=name_map)
+        self.name_map = name_map
+        self.transport: Any = None
+        self._members: list[Any] = []
+        self._formed = 0
+
+    def push(self, named_weights: Iterator[tuple[str, Any]], actors: list[Any], version: int
+             ) -> tuple[dict[str, float], Any]:
+        """Broadcast ``named_weights`` to ``actors`` as ``version``; returns the stats and the object ref of
+        the host copy. ``named_weights`` is a collective: it is always read to the end, even when the
+        broadcast fails, so the other trainer ranks are never left waiting in a gather."""
+        import ray
+
+        host: list[tuple[str, Any]] = []
+
+        def keep_host_copy() -> Iterator[tuple[str, Any]]:
+            for name, t in named_weights:
+                host.append((self.name_map(name), t.detach().to("cpu")))
+                yield name, t
+
+        tensors = keep_host_copy()
+        try:
+            stats = asyncio.run(self._broadcast(tensors, actors, version)) if actors else {}
+        finally:
+            for _ in tensors:  # drain: the rest of the gather still has to happen on every rank
+                pass
+        return stats, ray.put(host)
+
+    async def _broadcast(self, tensors: Iterator[tuple[str, Any]], actors: list[Any], version: int
+                         ) -> dict[str, float]:
+        from miles_agent.weight_sync.dist import DistributedTransport
+
+        if [a._actor_id for a in actors] != [a._actor_id for a in self._members]:
+            await self._leave()  # an engine was replaced: the group is formed again with the live ones
+        if self.transport is None:
+            self._formed += 1  # a fresh name: a group a dead member never left still holds the old one
+            self.transport = DistributedTransport([ActorReceiver(a) for a in actors], **self.options,
+                                                  group_name=f"{DEFAULT_GROUP}-rank0-{self._formed}")
+            self._members = list(actors)
+        return await self.transport.push(tensors, version)
+
+    async def _leave(self) -> None:
+        from miles_agent.weight_sync.dist import destroy_group
+
+        transport, self.transport, self._members = self.transport, None, []
+        if transport is None:
+            return
+        own = transport.group
+        try:
+            await transport.close()
+        except Exception:  # noqa: BLE001 - a dead member cannot leave; the survivors' side goes with the next group
+            if own is not None:
+                destroy_group(own)
+
+
+class RankZeroTransport:
+    """The driver's `WeightTransport` for this path: asks the trainer ranks to push (module docstring)."""
+
+    kind = "distributed-from-rank-0"
+
+    def __init__(self, trainer: Any, supervisor: Any, options: dict[str, Any]) -> None:
+        self.trainer, self.supervisor, self.options = trainer, supervisor, options
+
+    async def push(self, named_tensors: Any, version: int) -> dict[str, float]:
+        # ``named_tensors`` is deliberately not read: the trainer group gathers lazily, so the driver
+        # never pulls the weights; rank 0 sends them itself.
+        async def send(actors: list[Any]) -> tuple[dict[str, float], list[Any]]:
+            stats, ref = await asyncio.to_thread(self.trainer.broadcast_weights, actors, int(version),
+                                                   self.options)
+            return stats, [ref]
+
+        return await self.supervisor.push_with(send, version)
