@@ -101,3 +101,17 @@ def test_unsupported_consistency_modes_are_refused():
     with pytest.raises(UserError, match="use_rollout_logprobs=false"):
         MegatronTrainer(model, tok, TrainConfig(), AlgoConfig(mismatch_correction="tis"))
     assert not torch.distributed.is_initialized()
+
+
+def test_distillation_loss_term_matches_fsdp2():
+    """Teacher logprobs in the batch (on-policy distillation, loss mode) add the same reverse-KL term."""
+    algo = AlgoConfig(distill_coef=0.5)
+    trajs = trajectories()
+    teacher = [[lp - 0.3 * (j % 3) for j, lp in enumerate(t.rollout_logprobs)] for t in trajs]
+    with trainer_pair("tiny-qwen3-moe", TrainConfig(**TRAIN), algo) as (fsdp, meg):
+        batch = TrainBatch(trajs, advantages(trajs), teacher_logprobs=teacher)
+        want, got = fsdp.train_step(batch), meg.train_step(batch)
+        assert_same_metrics(got, want)
+        assert_same_weights(dict(meg.named_weights()), dict(fsdp.named_weights()),
+                            build_tiny("tiny-qwen3-moe", seed=3)[0].state_dict())
+    assert got["distill_loss"] != 0 and got["loss"] == pytest.approx(got["pg_loss"] + got["distill_loss"])
