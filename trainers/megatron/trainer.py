@@ -25,9 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles_agent.algorithms import mismatch
-from miles_agent.algorithms.distill import distill_loss
 from miles_agent.algorithms.estimators import needs_reference
-from miles_agent.algorithms.losses import compute_loss, loss_options, validate_options
+from miles_agent.algorithms.losses import loss_options, validate_options
 from miles_agent.atomic import replace_dir
 from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_agent.errors import UserError, require
@@ -40,11 +39,11 @@ from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
 from miles_agent.trainers.minibatch import (
     normalizers,
-    row_weight_tensor,
     split_mini_batches,
     step_metrics,
     to_grid,
 )
+from miles_agent.trainers.step_loss import micro_batch_loss
 from miles_agent.types import Trajectory
 
 
@@ -292,7 +291,8 @@ class MegatronTrainer:
         if self.sizes.pipeline == 1:
             for mb, old, ref in zip(mbs, olds, refs):
                 logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=entropy_grad)
-                loss, metrics = self._loss(logp, entropy, mb, old, ref, norm, measure)
+                loss, metrics = micro_batch_loss(self.algo, self._loss_opts, logp, entropy, mb, old, ref, norm,
+                                                 measure)
                 loss.backward()  # each data-parallel rank's loss is its share of the global sum (_sync_grads)
                 yield metrics
             return
@@ -302,38 +302,10 @@ class MegatronTrainer:
 
         def loss_func(mb: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
             logp, entropy = self._logits_logp(output, mb, entropy=True, entropy_grad=entropy_grad)
-            return self._loss(logp, entropy, mb, *extra[id(mb)], norm, measure)
+            return micro_batch_loss(self.algo, self._loss_opts, logp, entropy, mb, *extra[id(mb)], norm,
+                                    measure)
 
         yield from pipeline.run(self.model, mbs, self._forward, loss_func, forward_only=False)
-
-    def _loss(self, logp: Tensor, entropy: Tensor | None, mb: MicroBatch, old: Tensor | None, ref: Tensor | None,
-              norm: dict, measure: bool) -> tuple[Tensor, dict[str, Tensor]]:
-        """One micro-batch's share of the step's loss and its metric shares: the FSDP2 trainer's terms
-        (``compute_loss``, ``mismatch``, ``distill_loss``) on vocabulary-parallel logprobs."""
-        a = self.algo
-        is_weights = None
-        if a.mismatch_correction != "none":  # check_options guarantees the trainer's own old logprobs
-            is_weights = mismatch.correction_weights(old, mb.rollout_logp, mb.loss_mask,
-                                                     correction=a.mismatch_correction, level=a.mismatch_level,
-                                                     low=a.mismatch_low, high=a.mismatch_high, veto=a.mismatch_veto)
-        loss, metrics = compute_loss(logp, mb.rollout_logp if old is None else old, mb.advantages, mb.loss_mask,
-                                     ref_logp=ref, entropy=entropy, is_weights=is_weights,
-                                     num_tokens=norm["num_tokens"], num_seqs=norm["num_seqs"],
-                                     row_weights=row_weight_tensor(mb, norm), **self._loss_opts)
-        if mb.teacher_logp is not None:  # on-policy distillation in loss mode (algorithms/distill.py)
-            term, extra = distill_loss(logp, mb.teacher_logp, mb.loss_mask, coef=a.distill_coef,
-                                       loss_agg=a.loss_agg, num_tokens=norm["num_tokens"],
-                                       num_seqs=norm["num_seqs"])
-            loss, metrics = loss + term, {**metrics, **extra, "loss": metrics["loss"] + extra["distill_loss"]}
-        if is_weights is not None:
-            metrics["mismatch/masked_tokens"] = ((is_weights == 0) & (mb.loss_mask > 0)).float().sum()
-            metrics["mismatch/weight_sum"] = (is_weights * mb.loss_mask).sum()
-        if measure:
-            pre_update = logp.detach() if old is None else old
-            sums = mismatch.mismatch_sums(pre_update, mb.rollout_logp, mb.loss_mask, low=a.mismatch_low,
-                                          high=a.mismatch_high)
-            metrics.update({f"mismatch/{k}": v for k, v in sums.items()})
-        return loss, metrics
 
     def _sync_grads(self) -> None:
         """Complete the gradients Megatron leaves partial (its ``finalize_model_grads`` rules, without its
