@@ -1,7 +1,9 @@
 """GPU check: the embedded engine, the FSDP2 trainer and the Megatron-core trainer on one device.
 
 Prints one JSON object with the figures (tokens/s, step times, peak memory) and the cross-backend
-checks (Megatron vs FSDP2 logprobs and loss on the same batch). Run it through bench/gpu_check.sh on
+checks (Megatron vs FSDP2 logprobs and loss on the same batch), and the colocation offload check
+(the FSDP2 trainer's device memory after ``offload()``, and training after the round trip against a
+trainer that never offloaded). Run it through bench/gpu_check.sh on
 a GPU machine; ``--device cpu --quick`` runs the same code here (CI proves it works).
 
     python bench/gpu_check.py                      # cuda, a ~0.3B random-init Qwen3-MoE-shaped model
@@ -118,6 +120,52 @@ def check_trainer(name: str, make: Any, trajs: list[Trajectory], device: str, st
         trainer.close()
 
 
+def _allocated(device: str) -> float | None:
+    import gc
+
+    gc.collect()
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() / 2**30
+
+
+def check_offload(make: Any, trajs: list[Trajectory], device: str) -> dict[str, Any]:
+    """Colocation: ``offload()`` frees the trainer's device memory (allocated GiB before / after) and a
+    step after ``reload()`` matches, bit for bit, the same step by a trainer that never offloaded."""
+    batch = TrainBatch(trajs, [[(1.0 if t.reward else -0.5)] * t.response_length for t in trajs])
+    plain = make()
+    try:
+        plain_losses = [plain.train_step(batch)["loss"] for _ in range(2)]
+        plain_weights = {k: v.detach().to("cpu", copy=True) for k, v in plain.named_weights()}
+    finally:
+        plain.close()
+    empty = _allocated(device)  # what this process holds with no trainer (the CUDA context is not counted)
+    trainer = make()
+    try:
+        losses = [trainer.train_step(batch)["loss"]]
+        held, resident = _allocated(device), trainer.memory.resident_bytes()
+        out = trainer.offload()
+        offloaded, resident_offloaded = _allocated(device), trainer.memory.resident_bytes()
+        back = trainer.reload()
+        reloaded = _allocated(device)
+        losses.append(trainer.train_step(batch)["loss"])
+        diff = max(float((v.detach().to("cpu") - plain_weights[k]).abs().max()) for k, v in trainer.named_weights())
+    finally:
+        trainer.close()
+    figures: dict[str, Any] = {
+        "trainer_state_gib": resident / 2**30, "resident_bytes_offloaded": resident_offloaded,
+        "offload_s": out["offload_s"], "reload_s": back["reload_s"],
+        "offload_gib_per_s": out["offload_bytes"] / 2**30 / max(out["offload_s"], 1e-9),
+        "reload_gib_per_s": back["reload_bytes"] / 2**30 / max(back["reload_s"], 1e-9),
+        "losses_match": losses == plain_losses, "weights_max_abs_diff_vs_no_offload": diff}
+    if device.startswith("cuda"):
+        figures.update(allocated_gib_without_trainer=empty, allocated_gib_trained=held,
+                       allocated_gib_offloaded=offloaded, allocated_gib_reloaded=reloaded,
+                       freed_fraction=(held - offloaded) / max(held - empty, 1e-12))
+    return figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -139,6 +187,8 @@ def main() -> None:
     fsdp, lp_fsdp, m_fsdp = check_trainer(
         "fsdp2", lambda: FSDP2Trainer(copy.deepcopy(model), tok, train, algo, device=device), trajs, device, steps)
     report["fsdp2"] = fsdp
+    report["offload"] = check_offload(lambda: FSDP2Trainer(copy.deepcopy(model), tok, train, algo, device=device),
+                                      trajs, device)
     try:
         from miles_agent.trainers.megatron.trainer import MegatronTrainer
     except ImportError as e:

@@ -23,6 +23,9 @@ def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
         from miles_agent.runtime import launch
 
         return launch.build_trainer(cfg, model, tokenizer)
+    from miles_agent.trainers.offload import offload_enabled
+
+    offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)  # true is refused here
     return registry.load("trainers", cfg.train.backend)(
         model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature, device=cfg.model.device,
         **trainer_extra(cfg))
@@ -73,6 +76,18 @@ def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
         return launch.build_transport(cfg, trainer, engines)
     from miles_agent.weight_sync.factory import build_transport as build
 
+    if (_on_ray(cfg) and cfg.rollout.engine == "sglang" and not cfg.cluster.colocate and not cfg.sglang.external_urls
+            and cfg.sync.transport == "distributed"):  # rank 0 broadcasts to the servers; the driver holds nothing
+        from miles_agent.runtime.launch import rank0_options
+        from miles_agent.runtime.rank0_sync import SGLangRankZeroTransport
+
+        return SGLangRankZeroTransport(trainer, [e.url for e in engines], rank0_options(cfg))
+
+    if _on_ray(cfg) and cfg.rollout.engine == "sglang" and cfg.cluster.colocate and not cfg.sglang.external_urls:
+        from miles_agent.runtime.sglang_colocate import GatherFirst, memory_phased
+
+        engines = memory_phased(engines, cfg.sglang.control_timeout_s)  # memory resumed inside the push's pause
+        return GatherFirst(build(cfg.sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device))
     return build(cfg.sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device)
 
 

@@ -66,6 +66,7 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch, each on a 1/n share of its sequences
     ppo_epochs: int = 1  # passes over the rollout batch; old logprobs are computed once before the first
     world_size: int = 1  # FSDP2 ranks; 1 runs in-process
+    offload: bool | str = "auto"  # state to host while engines generate; auto = on with cluster.colocate (Ray)
 
 
 @dataclass(frozen=True)

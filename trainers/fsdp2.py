@@ -48,6 +48,7 @@ from miles_agent.trainers.minibatch import (
     step_metrics,
     to_grid,
 )
+from miles_agent.trainers.offload import DeviceOffload
 from miles_agent.trainers.step_loss import micro_batch_loss
 from miles_agent.types import Trajectory
 
@@ -133,6 +134,7 @@ class FSDP2Trainer:
                                            weight_decay=train.weight_decay)
         self._loss_opts = loss_options(algo)
         lr_at(train, 0)  # a bad schedule fails here, not at the first step
+        self.memory = DeviceOffload(lambda: (self.model, self.ref_model), self.optimizer, self.device)
 
     # -- forward ------------------------------------------------------------------------------------
     def _logp(self, model: nn.Module, mb: MicroBatch, entropy: bool = False,
@@ -296,6 +298,14 @@ class FSDP2Trainer:
     def load_checkpoint(self, path: Path) -> None:
         meta = ckpt.load(Path(path), self.model, self.optimizer, self.rank)
         self.step = int(meta.get("step", 0))
+
+    # -- colocation: the device is the engines' while they generate (trainers/offload.py) ------------
+    def offload(self) -> dict[str, float]:
+        """Parameters, gradients and optimizer state to host memory; call ``reload`` before any other call."""
+        return self.memory.offload()
+
+    def reload(self) -> dict[str, float]:
+        return self.memory.reload()
 
     def close(self) -> None:
         """Destroy the process group if this trainer created it."""

@@ -46,8 +46,11 @@ class EngineActor:
     async def resume(self) -> None:
         await self.engine.resume()
 
-    async def update_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> int:
-        await self.engine.update_weights(named_tensors, version)
+    async def update_weights(self, weights: Any, version: int) -> int:
+        """``weights``: `PackedWeights` (what the supervisor sends) or a list of (name, tensor)."""
+        from miles_agent.runtime.packed_weights import named_tensors
+
+        await self.engine.update_weights(named_tensors(weights), version)
         return self.engine.weight_version
 
     # -- SGLang's weight-update calls, so trainer rank 0 can broadcast to this engine (runtime/rank0_sync.py)

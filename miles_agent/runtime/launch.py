@@ -71,18 +71,24 @@ class _ClosingTrainer:
 
 
 def build_trainer(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    from miles_agent import registry
     from miles_agent.components import trainer_extra
     from miles_agent.runtime.trainer_actor import RayTrainerGroup
+    from miles_agent.trainers.offload import offload_enabled
 
+    offload = offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
+    if offload and not callable(getattr(registry.load("trainers", cfg.train.backend), "offload", None)):
+        raise UserError(f"train.offload is on (it is by default with cluster.colocate) but the {cfg.train.backend} "
+                        "trainer has no offload() / reload(); set train.offload=false")
     sess = session(cfg)
 
-    def before_train() -> None:  # colocation: the engines give the device back while the trainer runs
+    def before_train() -> None:  # colocation: the engines give the device back, then the ranks reload
         if cfg.cluster.colocate and sess.engines is not None:
             sess.engines.release_memory()
 
     group = RayTrainerGroup(model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature,
                             device=cfg.model.device, options=sess.placement.trainer_options, loopback=sess.loopback,
-                            before_train=before_train, extra=trainer_extra(cfg))
+                            before_train=before_train, extra=trainer_extra(cfg), offload=offload)
     sess.trainer = _ClosingTrainer(group, sess)
     return sess.trainer
 
@@ -133,17 +139,24 @@ def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
                         "rank's GPU and NCCL cannot connect two processes on one device; leave "
                         "sync.transport unset (object store) or set cluster.colocate=false")
     from miles_agent.runtime.rank0_sync import RankZeroTransport
+
+    return RankZeroTransport(trainer, engines[0], rank0_options(cfg))
+
+
+def rank0_options(cfg: Config) -> dict[str, Any]:
+    """`Rank0Broadcaster`'s arguments from the ``sync`` section (checked here, in the driver)."""
     from miles_agent.weight_sync.core import prefix_map
 
+    sync = cfg.sync
     if sync.bucket_mb < 1:
         raise UserError(f"sync.bucket_mb must be >= 1, got {sync.bucket_mb}")
     backend = sync.backend if sync.backend != "auto" else ("nccl" if cfg.model.device.startswith("cuda") else "gloo")
     if backend not in ("gloo", "nccl"):
         raise UserError(f"sync.backend must be gloo, nccl or auto, got {sync.backend!r}")
-    options = dict(backend=backend, master_address=_rank0_address(sync.master_address, session(cfg).loopback),
-                   bucket_bytes=sync.bucket_mb << 20, check=sync.check,
-                   name_map=prefix_map(sync.strip_prefix, sync.add_prefix))
-    return RankZeroTransport(trainer, engines[0], options)
+    return dict(backend=backend, master_address=_rank0_address(sync.master_address, session(cfg).loopback),
+                bucket_bytes=sync.bucket_mb << 20, check=sync.check,
+                name_map=prefix_map(sync.strip_prefix, sync.add_prefix),
+                control_timeout_s=cfg.sglang.control_timeout_s)
 
 
 def _rank0_address(configured: str, loopback: bool) -> str:

@@ -63,7 +63,7 @@ class Rank0Broadcaster:
     """Held by trainer rank 0: the weight-update group with the current engine actors, and the push."""
 
     def __init__(self, *, backend: str, master_address: str, bucket_bytes: int, check: bool,
-                 name_map: NameMap) -> None:
+                 name_map: NameMap, control_timeout_s: float = 600.0) -> None:
         if not master_address:  # a multi-node cluster: the engines meet rank 0 on its node's address
             import ray
 
@@ -71,44 +71,61 @@ class Rank0Broadcaster:
         self.options = dict(backend=backend, master_address=master_address, bucket_bytes=bucket_bytes,
                             check=check, name_map=name_map)
         self.name_map = name_map
+        self.control_timeout_s = control_timeout_s
         self.transport: Any = None
-        self._members: list[Any] = []
+        self._members: list[str] = []
         self._formed = 0
+        self._loop = asyncio.new_event_loop()  # one loop for every push: HTTP sessions and threads are reused
+        self._clients: dict[str, Any] = {}
 
-    def push(self, named_weights: Iterator[tuple[str, Any]], actors: list[Any], version: int
-             ) -> tuple[dict[str, float], Any]:
-        """Broadcast ``named_weights`` to ``actors`` as ``version``; returns the stats and the object ref of
-        the host copy. ``named_weights`` is a collective: it is always read to the end, even when the
-        broadcast fails, so the other trainer ranks are never left waiting in a gather."""
+    def push(self, named_weights: Iterator[tuple[str, Any]], engines: list[Any], version: int,
+             keep_host_copy: bool = True) -> tuple[dict[str, float], Any]:
+        """Broadcast ``named_weights`` to ``engines`` (engine actor handles, or SGLang server URLs) as
+        ``version``; returns the stats and the object ref of the host copy (None without one).
+        ``named_weights`` is a collective: it is always read to the end, even when the broadcast fails, so
+        the other trainer ranks are never left waiting in a gather."""
         import ray
 
-        host: list[tuple[str, Any]] = []
+        from miles_agent.runtime.packed_weights import pack_weights
 
-        def keep_host_copy() -> Iterator[tuple[str, Any]]:
+        sent: list[tuple[str, Any]] = []
+
+        def noting_what_is_sent() -> Iterator[tuple[str, Any]]:
             for name, t in named_weights:
-                host.append((self.name_map(name), t.detach().to("cpu")))
+                sent.append((self.name_map(name), t))
                 yield name, t
 
-        tensors = keep_host_copy()
+        tensors = noting_what_is_sent()
         try:
-            stats = asyncio.run(self._broadcast(tensors, actors, version)) if actors else {}
+            stats = self._loop.run_until_complete(self._broadcast(tensors, engines, version)) if engines else {}
         finally:
             for _ in tensors:  # drain: the rest of the gather still has to happen on every rank
                 pass
-        return stats, ray.put(host)
+        if not keep_host_copy:
+            return stats, None
+        return stats, ray.put(pack_weights(sent))  # the host copy, before any optimizer step changes them
 
-    async def _broadcast(self, tensors: Iterator[tuple[str, Any]], actors: list[Any], version: int
+    async def _broadcast(self, tensors: Iterator[tuple[str, Any]], engines: list[Any], version: int
                          ) -> dict[str, float]:
         from miles_agent.weight_sync.dist import DistributedTransport
 
-        if [a._actor_id for a in actors] != [a._actor_id for a in self._members]:
+        if [_key(e) for e in engines] != self._members:
             await self._leave()  # an engine was replaced: the group is formed again with the live ones
         if self.transport is None:
             self._formed += 1  # a fresh name: a group a dead member never left still holds the old one
-            self.transport = DistributedTransport([ActorReceiver(a) for a in actors], **self.options,
+            self.transport = DistributedTransport([self._receiver(e) for e in engines], **self.options,
                                                   group_name=f"{DEFAULT_GROUP}-rank0-{self._formed}")
-            self._members = list(actors)
+            self._members = [_key(e) for e in engines]
         return await self.transport.push(tensors, version)
+
+    def _receiver(self, engine: Any) -> Any:
+        if not isinstance(engine, str):
+            return ActorReceiver(engine)
+        if engine not in self._clients:  # an SGLang server: its HTTP weight-update endpoints
+            from miles_agent.rollout.sglang.client import SGLangEngine
+
+            self._clients[engine] = SGLangEngine(engine, control_timeout_s=self.control_timeout_s)
+        return self._clients[engine]
 
     async def _leave(self) -> None:
         from miles_agent.weight_sync.dist import destroy_group
@@ -122,6 +139,10 @@ class Rank0Broadcaster:
         except Exception:  # noqa: BLE001 - a dead member cannot leave; the survivors' side goes with the next group
             if own is not None:
                 destroy_group(own)
+
+
+def _key(engine: Any) -> str:
+    return engine if isinstance(engine, str) else engine._actor_id.hex()
 
 
 class RankZeroTransport:
@@ -141,3 +162,19 @@ class RankZeroTransport:
             return stats, [ref]
 
         return await self.supervisor.push_with(send, version)
+
+
+class SGLangRankZeroTransport:
+    """The same path to SGLang servers launched under Ray (disaggregated): rank 0 reaches each server's
+    weight-update endpoints over HTTP and broadcasts to them. A restarted server reloads its launch
+    checkpoint, so no host copy is kept; the next push brings it to the current version."""
+
+    kind = "distributed-from-rank-0"
+
+    def __init__(self, trainer: Any, urls: list[str], options: dict[str, Any]) -> None:
+        self.trainer, self.urls, self.options = trainer, list(urls), options
+
+    async def push(self, named_tensors: Any, version: int) -> dict[str, float]:
+        stats, _ = await asyncio.to_thread(self.trainer.broadcast_weights, self.urls, int(version),
+                                           {**self.options, "keep_host_copy": False})
+        return {**stats, "sync_engines": float(len(self.urls))}

@@ -4,6 +4,9 @@ Each actor sits in its engine bundle of the run's placement group (so Ray sets i
 ``CUDA_VISIBLE_DEVICES``) and owns one `SGLangServer` process there: launch, health, restart, stop.
 The driver talks HTTP to the servers directly (`SGLangEngine`); the actor is only the server's
 keeper, so a server on another node is launched and supervised on that node.
+
+With ``cluster.colocate=true`` server ``i`` shares trainer rank ``i``'s bundle and device and gives its
+memory back around every train step (miles_agent/runtime/sglang_colocate.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ def remote_server_class() -> Any:
             self._url = f"http://{host}:{port}"
             self.server = SGLangServer(server_argv(launch, model_path, host, port, server_args), self._url, log_path)
             self.server.start()
+            from miles_agent.runtime.sglang_colocate import ServerMemory
+
+            self.memory = ServerMemory(self.server, self._url)
 
         def url(self) -> str:
             return self._url
@@ -41,6 +47,12 @@ def remote_server_class() -> Any:
 
         def stop(self) -> None:
             self.server.stop()
+
+        def release_memory(self, timeout_s: float) -> list[str]:
+            return self.memory.release(timeout_s)
+
+        def resume_memory(self, tags: list[str], timeout_s: float) -> list[str]:
+            return self.memory.resume(tags, timeout_s)
 
         def placement(self) -> dict[str, Any]:
             import os
@@ -88,10 +100,34 @@ class ActorServer:
 
 
 class SGLangActorGroup:
-    """The run's SGLang server actors, as the Ray session sees its engines (``kill`` on close)."""
+    """The run's SGLang server actors, as the Ray session sees its engines: ``kill`` on close and, when
+    colocated, ``release_memory`` before every train step (the trainer group's ``before_train``)."""
 
-    def __init__(self, engines: list[Any]) -> None:
+    def __init__(self, engines: list[Any], control_timeout_s: float = 600.0) -> None:
         self.engines = engines
+        self.control_timeout_s = control_timeout_s
+
+    def release_memory(self) -> None:
+        """Every server pauses (retracting requests) and frees its memory; blocking on purpose: the
+        trainer ranks must not reload before the device is free. A dead server is restarted first."""
+        import ray
+
+        from miles_agent.errors import RunAborted
+        from miles_agent.runtime.supervisor import actor_failures
+
+        refs = [e.process.actor.release_memory.remote(self.control_timeout_s) for e in self.engines]
+        for e, ref in zip(self.engines, refs):
+            try:
+                ray.get(ref, timeout=2 * self.control_timeout_s)
+            except actor_failures() as err:
+                raise RunAborted(f"the actor keeping SGLang server {e.url} died ({type(err).__name__}); "
+                                 "rerun with --resume") from None
+            except ray.exceptions.GetTimeoutError:
+                raise RunAborted(f"SGLang server {e.url} did not release its memory within "
+                                 f"{2 * self.control_timeout_s:g}s (sglang.control_timeout_s); see its log") from None
+            except ray.exceptions.RayTaskError as err:
+                raise RunAborted(f"SGLang server {e.url} could not release its memory for the train step: "
+                                 f"{err.cause}") from None
 
     def kill(self) -> None:
         for e in self.engines:
@@ -105,12 +141,11 @@ def build_sglang_actor_engines(cfg: Any, model: Any, tokenizer: Any, sess: Any) 
     from miles_agent.rollout.sglang.server import DEFAULT_LAUNCH
 
     sg = cfg.sglang
-    if cfg.cluster.colocate:
-        from miles_agent.errors import UserError
+    args = launch_args(sg)
+    if cfg.cluster.colocate:  # server i in rank i's bundle: its memory must really go while the rank trains
+        from miles_agent.runtime.sglang_colocate import MEMORY_SAVER_ARGS
 
-        raise UserError("SGLang servers colocated with Ray trainer ranks (memory released and resumed around "
-                        "each phase) are not wired yet; set cluster.colocate=false (servers on their own GPUs) "
-                        "or use rollout.engine=local")
+        args = {**MEMORY_SAVER_ARGS, **args}
     model_path = model_folder(cfg, model, tokenizer)
     cls = remote_server_class()
     actors = []
@@ -118,7 +153,7 @@ def build_sglang_actor_engines(cfg: Any, model: Any, tokenizer: Any, sess: Any) 
         for i in range(cfg.cluster.num_engines):
             log = str(Path(cfg.run.run_dir).resolve() / "sglang" / f"server{i}.log")
             actors.append(cls.options(**sess.placement.engine_options(i)).remote(
-                sg.launch_command or DEFAULT_LAUNCH, model_path, launch_args(sg), log, sess.loopback))
+                sg.launch_command or DEFAULT_LAUNCH, model_path, args, log, sess.loopback))
         import ray
 
         urls = ray.get([a.url.remote() for a in actors])
@@ -132,5 +167,5 @@ def build_sglang_actor_engines(cfg: Any, model: Any, tokenizer: Any, sess: Any) 
         for a in actors:
             ray.kill(a)
         raise
-    sess.engines = SGLangActorGroup(engines)
+    sess.engines = SGLangActorGroup(engines, sg.control_timeout_s)
     return connect_clients(cfg, engines)

@@ -133,8 +133,10 @@ class EngineSupervisor:
 
         self._bind()
         assert self._lock is not None
-        tensors = [(n, t.detach().to("cpu")) for n, t in named_tensors]
-        ref = ray.put(tensors)
+        from miles_agent.runtime.packed_weights import pack_weights
+
+        packed = pack_weights(named_tensors)  # flat numpy buffers: one memcpy into the store, not a pickle
+        ref = ray.put(packed)
         async with self._lock:
             if int(version) != self._version or not self._weights:
                 self._weights = []
@@ -142,7 +144,7 @@ class EngineSupervisor:
             self._version = int(version)
             live = [s for s in self._slots if s.ready]
             done = await asyncio.gather(*(self._sync_one(s, s.actor, ref, int(version)) for s in live))
-        return {"sync_bytes": float(sum(t.numel() * t.element_size() for _, t in tensors)), "sync_buckets": 1.0,
+        return {"sync_bytes": float(packed.nbytes), "sync_buckets": float(len(packed.parts)),
                 "sync_engines": float(sum(d is not None for d in done)),
                 "engine_memory_resumed": float(sum(bool(d) for d in done)),
                 "engine_restarts": float(self.stats["restarts"]),

@@ -9,12 +9,21 @@ all ranks (DCP shards) into the run folder, which must be shared when ranks sit 
 
 A rank that dies ends the run with `RunAborted`: the last checkpoint is whole (checkpoints are
 written to a temp folder and renamed), so ``--resume`` continues from it.
+
+Offload (``train.offload``, on by default with ``cluster.colocate``): the ranks hold their device only
+from a train step to the weight gather that follows it. Each rank offloads its parameters, gradients and
+optimizer state to host memory right after it is built and right after every gather (the engines take
+the device to generate), and reloads them when a call needs them: the train step (which the driver
+starts only after the engines released their memory), a checkpoint save or load, ``save_hf``. Calls
+other than the train step offload again when they are done.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +37,10 @@ class TrainerActor:
 
     def __init__(self) -> None:
         self.trainer: Any = None
+        self.offload = False
+        # (event, time.monotonic(), device bytes the trainer holds after it): offload / reload and the
+        # calls between them, read back by `memory_log` (tests check the order; one clock per machine)
+        self.events: deque[tuple[str, float, int]] = deque(maxlen=1000)
         self.broadcaster: Any = None  # weight sync from rank 0 (sync.transport=distributed), made on first use
 
     def address(self, loopback: bool) -> tuple[str, int]:
@@ -40,7 +53,8 @@ class TrainerActor:
             return host, s.getsockname()[1]
 
     def setup(self, rank: int, world_size: int, master: tuple[str, int], backend: str, model: Any, tokenizer: Any,
-              train_cfg: Any, algo_cfg: Any, temperature: float, device: str, extra: dict[str, Any]) -> int:
+              train_cfg: Any, algo_cfg: Any, temperature: float, device: str, extra: dict[str, Any],
+              offload: bool = False) -> int:
         import torch
 
         from miles_agent import registry
@@ -50,37 +64,92 @@ class TrainerActor:
         torch.set_num_threads(1)
         self.trainer = registry.load("trainers", backend)(model, tokenizer, train_cfg, algo_cfg,
                                                           temperature=temperature, device=device, **extra)
+        self.offload = offload
+        self._release()  # the engines generate first
         return os.getpid()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.trainer.train_step(batch)
+        moved = self._resident()
+        metrics = self.trainer.train_step(batch)
+        self._note("train_step")
+        if moved:  # stays resident: the weight gather comes next
+            metrics = {**metrics, "reload_s": moved["reload_s"], "offload_gib": moved["reload_bytes"] / 2**30}
+        return metrics
 
-    def full_weights(self) -> list[tuple[str, Any]] | None:
-        """A collective: every rank gathers; rank 0 returns host copies, the others None."""
-        out = [(n, t.detach().to("cpu", copy=True)) for n, t in self.trainer.named_weights()]
-        return out if self.trainer.rank == 0 else None
+    def full_weights(self) -> Any:
+        """A collective: every rank gathers; rank 0 returns a host copy (`PackedWeights`), the others None.
+        Then the device goes back to the engines (they load these weights next)."""
+        from miles_agent.runtime.packed_weights import pack_weights
 
-    def broadcast_weights(self, actors: list[Any], version: int, options: dict[str, Any]) -> Any:
-        """A collective: every rank gathers; rank 0 broadcasts to the engine ``actors`` and returns (stats,
-        object ref of a host copy) -- see miles_agent.runtime.rank0_sync."""
-        if self.trainer.rank != 0:
-            for _ in self.trainer.named_weights():
-                pass
-            return None
-        if self.broadcaster is None:
-            from miles_agent.runtime.rank0_sync import Rank0Broadcaster
+        self._resident()
+        try:
+            if self.trainer.rank != 0:
+                for _ in self.trainer.named_weights():
+                    pass
+                return None
+            return pack_weights(self.trainer.named_weights())
+        finally:
+            self._note("gather")
+            self._release()
 
-            self.broadcaster = Rank0Broadcaster(**options)
-        return self.broadcaster.push(self.trainer.named_weights(), actors, version)
+    def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
+        """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)
+        and returns (stats, object ref of a host copy or None) -- see miles_agent.runtime.rank0_sync."""
+        self._resident()
+        try:
+            if self.trainer.rank != 0:
+                for _ in self.trainer.named_weights():
+                    pass
+                return None
+            options = dict(options)
+            keep_host_copy = options.pop("keep_host_copy", True)
+            if self.broadcaster is None:
+                from miles_agent.runtime.rank0_sync import Rank0Broadcaster
+
+                self.broadcaster = Rank0Broadcaster(**options)
+            return self.broadcaster.push(self.trainer.named_weights(), engines, version, keep_host_copy)
+        finally:
+            self._note("gather")
+            self._release()
 
     def save_checkpoint(self, path: str) -> None:
+        self._resident()
         self.trainer.save_checkpoint(Path(path))
+        self._note("save_checkpoint")
+        self._release()
 
     def load_checkpoint(self, path: str) -> None:
+        self._resident()
         self.trainer.load_checkpoint(Path(path))
+        self._note("load_checkpoint")
+        self._release()
 
     def save_hf(self, path: str) -> None:
+        self._resident()
         self.trainer.save_hf(Path(path))
+        self._note("save_hf")
+        self._release()
+
+    # -- offload (see the module docstring) ------------------------------------------------------------
+    def _resident(self) -> dict[str, float] | None:
+        """The trainer's state on its device; the reload's figures when it had to move."""
+        if not (self.offload and self.trainer.memory.offloaded):
+            return None
+        moved = self.trainer.reload()
+        self._note("reload")
+        return moved
+
+    def _release(self) -> None:
+        if self.offload:
+            self.trainer.offload()
+            self._note("offload")
+
+    def _note(self, event: str) -> None:
+        if self.offload:
+            self.events.append((event, time.monotonic(), self.trainer.memory.resident_bytes()))
+
+    def memory_log(self) -> list[tuple[str, float, int]]:
+        return list(self.events)
 
     def close(self) -> None:
         if self.trainer is not None and hasattr(self.trainer, "close"):
@@ -99,11 +168,13 @@ class RayTrainerGroup:
     """The `Trainer` contract over ``world_size`` rank actors (see module docstring).
 
     ``options(rank)`` gives each actor's Ray options (placement); ``before_train`` runs before every
-    step (colocation: the engines release the device)."""
+    step (colocation: the engines release the device, then the ranks reload); ``offload`` makes the
+    ranks give their device back between steps (see the module docstring)."""
 
     def __init__(self, model: Any, tokenizer: Any, train_cfg: Any, algo_cfg: Any, *, temperature: float,
                  device: str, options: Callable[[int], dict[str, Any]], loopback: bool = True,
-                 before_train: Callable[[], None] | None = None, extra: dict[str, Any] | None = None) -> None:
+                 before_train: Callable[[], None] | None = None, extra: dict[str, Any] | None = None,
+                 offload: bool = False) -> None:
         import ray
 
         n = train_cfg.world_size
@@ -114,7 +185,7 @@ class RayTrainerGroup:
         master = self._all([self.actors[0].address.remote(loopback)])[0]
         model_ref, tok_ref = ray.put(model.to("cpu")), ray.put(tokenizer)
         self.pids = self._all([a.setup.remote(r, n, master, train_cfg.backend, model_ref, tok_ref, train_cfg,
-                                              algo_cfg, temperature, device, extra or {})
+                                              algo_cfg, temperature, device, extra or {}, offload)
                                    for r, a in enumerate(self.actors)])
 
     def _all(self, refs: list[Any]) -> list[Any]:
@@ -144,7 +215,11 @@ class RayTrainerGroup:
         return self._all([a.train_step.remote(ref) for a in self.actors])[0]
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
-        yield from self._all([a.full_weights.remote() for a in self.actors])[0]
+        """Lazy: the ranks gather (and, with offload, free their device) when the first tensor is read, so
+        a transport that never reads them (rank 0 broadcasting itself) costs no gather here."""
+        from miles_agent.runtime.packed_weights import named_tensors
+
+        yield from named_tensors(self._all([a.full_weights.remote() for a in self.actors])[0])
 
     def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
                           ) -> tuple[dict[str, float], Any]:
@@ -162,6 +237,10 @@ class RayTrainerGroup:
 
     def where(self) -> list[dict[str, Any]]:
         return self._all([a.where.remote() for a in self.actors])
+
+    def memory_log(self) -> list[list[tuple[str, float, int]]]:
+        """Per rank: (event, monotonic time, device bytes held after it) for offload, reload and the calls."""
+        return self._all([a.memory_log.remote() for a in self.actors])
 
     def close(self) -> None:
         import ray

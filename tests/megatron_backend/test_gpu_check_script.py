@@ -19,3 +19,6 @@ def test_gpu_check_quick_on_cpu():
     assert report["fsdp2"]["step_time_s_median"] > 0
     assert report["megatron"]["logprob_max_abs_diff_vs_fsdp2"] < 1e-4
     assert report["megatron"]["loss_rel_diff_vs_fsdp2"] < 1e-3
+    offload = report["offload"]  # colocation: state released, and training after the round trip unchanged
+    assert offload["trainer_state_gib"] > 0 and offload["resident_bytes_offloaded"] == 0
+    assert offload["losses_match"] and offload["weights_max_abs_diff_vs_no_offload"] == 0

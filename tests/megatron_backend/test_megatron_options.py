@@ -72,6 +72,9 @@ def test_kl_reward_reference_logprobs_match_fsdp2():
         initial = meg.compute_logprobs(trajs)
         for t in (fsdp, meg):
             t.train_step(TrainBatch(trajs, advantages(trajs)))
+        meg.offload()  # colocation: the reference model leaves the device with the policy, and comes back
+        assert all(p.untyped_storage().nbytes() == 0 for p in meg.ref_model.parameters())
+        meg.reload()
         ref = meg.compute_logprobs(trajs, reference=True)
         for a, b, c in zip(ref, fsdp.compute_logprobs(trajs, reference=True), initial):
             assert a == pytest.approx(b, abs=2e-5) and a == c

@@ -92,3 +92,20 @@ def test_unwired_layouts_are_refused_clearly():
         MegatronTrainer(model, tok, TrainConfig(world_size=2), AlgoConfig(),
                         megatron=MegatronConfig(pipeline_parallel=2))
     assert not dist.is_initialized()
+
+
+def test_offload_round_trip_frees_the_state_and_restores_it_bit_for_bit(pair):
+    """Colocation: the Megatron trainer offloads with the same storage-level mechanism as FSDP2
+    (trainers/offload.py); between two steps its state holds 0 bytes and comes back bit for bit."""
+    fsdp, meg = pair
+    trajs = trajectories()
+    adv = [[(1.0 if t.reward else -0.5)] * t.response_length for t in trajs]
+    meg.train_step(TrainBatch(trajs, adv))
+    resident = meg.memory.resident_bytes()
+    before = {k: v.clone() for k, v in meg.named_weights()}
+    assert meg.offload()["offload_bytes"] == resident > 0 and meg.memory.resident_bytes() == 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in meg.model.parameters())
+    meg.reload()
+    assert all(torch.equal(v, before[k]) for k, v in meg.named_weights())
+    second = meg.train_step(TrainBatch(trajs, adv))
+    assert second["loss"] == second["loss"] and meg.memory.resident_bytes() == resident

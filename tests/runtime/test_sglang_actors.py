@@ -12,7 +12,6 @@ import pytest
 
 from miles_agent.components import build_engines
 from miles_agent.config import load_config
-from miles_agent.errors import UserError
 from miles_agent.runtime import launch
 
 ARGV_SERVER = Path(__file__).parents[1] / "sglang" / "argv_server.py"
@@ -49,16 +48,3 @@ def test_each_engine_bundle_gets_a_server_actor_on_its_own_gpu(ray_session, tmp_
             urllib.request.urlopen(engines[0].url + "/health_generate", timeout=5)
     finally:
         sess.close()
-
-
-def test_colocated_sglang_under_ray_is_refused_clearly(ray_session, tmp_path):
-    cfg = _cfg(tmp_path, **{"cluster.colocate": True, "cluster.num_engines": 1, "cluster.gpus_per_engine": 0.5,
-                            "cluster.trainer_gpus": 0.5})
-    sess = launch.session(cfg)
-    try:
-        with pytest.raises(UserError, match="cluster.colocate=false"):
-            build_engines(cfg, None, None)
-    finally:
-        sess.close()
-
-

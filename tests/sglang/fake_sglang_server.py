@@ -21,6 +21,14 @@ Run: ``python fake_sglang_server.py --model-path DIR|tiny-qwen3|tiny-qwen3-moe -
 [--decode-delay-s S] [any other --sglang-argument ...]``; it prints ``READY <port>`` once it serves.
 Not SGLang: ``/_fake/state`` (what the tests inspect), ``--decode-delay-s`` (keeps requests in flight) and
 ``--ignore-eos`` (full-length outputs, so a pause always lands mid-request).
+
+Memory occupation (scheduler_update_weights_mixin.py, torch_memory_saver): release asserts an idle server
+(requests retracted by a pause may wait); with ``--enable-memory-saver`` the released memory is really
+unmapped, so the fake refuses what would crash or corrupt a real server -- generating or continuing with
+the weights or the KV cache released, writing weights into released memory -- and, without
+``--enable-weights-cpu-backup``, generating from weights that were released and not loaded since (their
+pages come back with undefined contents). Every control call is logged in order (``events``), and
+every refusal counted (``refused``).
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ class FakeSGLang:
         self.model_path = model_path
         self.server_args = server_args
         self.released: set[str] = set()
+        self.memory_saver = bool(server_args.get("enable_memory_saver"))
+        self.weights_lost = False  # released under the memory saver without a CPU backup, not reloaded since
+        self.events: list[dict[str, Any]] = []  # control calls in order; runs of /generate collapsed
+        self.refused = 0
         self.loras: dict[str, str] = {}
         self.requests = 0
         self.updates: list[dict[str, Any]] = []  # every weight request, for the tests
@@ -88,8 +100,14 @@ class FakeSGLang:
         body = await request.json()
         if "input_ids" not in body:  # this fake serves token ids only (skip_tokenizer_init style)
             return error("the fake server needs input_ids (text prompts are not implemented)")
-        if "weights" in self.released:
-            return error("weights are released (release_memory_occupation); resume them first")
+        if not self.engine._paused:  # a paused server only queues the request: it runs after continue
+            if "weights" in self.released:
+                return self.refuse("weights are released (release_memory_occupation); resume them first")
+            if "kv_cache" in self.released:
+                return self.refuse("the KV cache is released (release_memory_occupation); resume it first")
+            if self.weights_lost:
+                return self.refuse("the weights were released without --enable-weights-cpu-backup and not "
+                                   "loaded since; load weights after resume_memory_occupation")
         sp = dict(body.get("sampling_params") or {})
         known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop", "sampling_seed"}
         if set(sp) - known:
@@ -100,6 +118,7 @@ class FakeSGLang:
                                       top_k=sp.get("top_k", -1), stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
                                       stop=tuple(sp.get("stop") or ()), seed=sp.get("sampling_seed"))
             self.requests += 1
+            self.log("generate")
             c = await self.engine.generate(body["input_ids"], sampling,
                                            return_routed_experts=bool(body.get("return_routed_experts")))
         except ValueError as e:  # SGLang validates in the tokenizer manager and answers 400
@@ -144,7 +163,9 @@ class FakeSGLang:
         return web.json_response({"running": len(e._running), "waiting": len(e._waiting), "paused": e._paused,
                                   "generated_tokens": e.stats["generated_tokens"], "requests": self.requests,
                                   "released": sorted(self.released), "loras": self.loras,
-                                  "weight_version": e.weight_version, "updates": self.updates})
+                                  "weight_version": e.weight_version, "updates": self.updates,
+                                  "events": self.events, "refused": self.refused,
+                                  "weights_lost": self.weights_lost})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """200 "Cache flushed..." when idle, else 400 (SGLang refuses with running or waiting requests)."""
@@ -156,10 +177,17 @@ class FakeSGLang:
     # -- pause / continue --------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
         body = await _json(request)
-        await self.engine.pause(PauseMode(body.get("mode", "abort")))  # PauseGenerationReqInput default: abort
+        mode = body.get("mode", "abort")  # PauseGenerationReqInput default: abort
+        self.log("pause_generation", mode=mode)
+        await self.engine.pause(PauseMode(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
+        self.log("continue_generation")
+        pending = len(self.engine._running) + len(self.engine._waiting)
+        if pending and self.memory_saver and (self.released & {"weights", "kv_cache"} or self.weights_lost):
+            return self.refuse(f"continuing {pending} requests with {sorted(self.released)} released (weights "
+                               f"lost: {self.weights_lost}) would touch unmapped or undefined memory", status=500)
         await self.engine.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -174,6 +202,12 @@ class FakeSGLang:
                 body.pop("flush_cache", None)
             self.updates.append({"endpoint": method, "weight_version": body.get("weight_version"),
                                  "running": len(self.engine._running), "paused": self.engine._paused})
+            self.log(method, weight_version=body.get("weight_version"))
+            if "weights" in self.released and method.startswith("update_weights"):
+                self.refused += 1
+                return web.json_response({"success": False, "message": "the weights' memory is released "
+                                          "(release_memory_occupation); resume_memory_occupation(['weights']) "
+                                          "first"}, status=400)
             try:
                 async with self.model_update_lock:
                     await getattr(self.receiver, method)(**body)
@@ -182,6 +216,8 @@ class FakeSGLang:
                 if disk:
                     content["num_paused_requests"] = 0
                 return web.json_response(content, status=400)
+            if method.startswith("update_weights"):
+                self.weights_lost = False
             content = {"success": True, "message": "Succeeded to update model weights."}
             if disk:
                 content["num_paused_requests"] = 0
@@ -191,20 +227,37 @@ class FakeSGLang:
     # -- memory and LoRA ---------------------------------------------------------------------------
     async def release_memory(self, request: web.Request) -> web.Response:
         tags = (await _json(request)).get("tags") or list(MEMORY_TAGS)
+        self.log("release_memory_occupation", tags=tags)
         bad = [t for t in tags if t not in MEMORY_TAGS]
         if bad:
             return error(f"unknown memory tags {bad}")
-        if self.engine._running or self.engine._waiting:  # SGLang asserts an idle scheduler here
-            return error("release_memory_occupation needs an idle server: pause in abort or retract mode first")
+        # SGLang asserts an idle scheduler; requests a pause retracted may wait (is_fully_idle(ignore_retracted))
+        if self.engine._running or (self.engine._waiting and not self.engine._paused):
+            return self.refuse("release_memory_occupation needs an idle server: pause in abort or retract "
+                               "mode first")
         if "kv_cache" in tags:
             self.engine.runner.release()  # really drops the KV cache; the runner regrows it on demand
+        if "weights" in tags and self.memory_saver and not self.server_args.get("enable_weights_cpu_backup"):
+            self.weights_lost = True
         self.released |= set(tags)
         return web.json_response(None)  # the route returns None -> 200 "null"
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         tags = (await _json(request)).get("tags") or list(MEMORY_TAGS)
+        self.log("resume_memory_occupation", tags=tags)
         self.released -= set(tags)
         return web.json_response(None)
+
+    def log(self, call: str, **details: Any) -> None:
+        if call == "generate" and self.events and self.events[-1]["call"] == "generate":
+            self.events[-1]["n"] += 1
+            return
+        self.events.append({"call": call, "t": time.monotonic(), **details,
+                            **({"n": 1} if call == "generate" else {})})
+
+    def refuse(self, message: str, status: int = 400) -> web.Response:
+        self.refused += 1
+        return error(message, status)
 
     async def load_lora(self, request: web.Request) -> web.Response:
         body = await _json(request)

@@ -43,6 +43,7 @@ from miles_agent.trainers.minibatch import (
     step_metrics,
     to_grid,
 )
+from miles_agent.trainers.offload import DeviceOffload
 from miles_agent.trainers.step_loss import micro_batch_loss
 from miles_agent.types import Trajectory
 
@@ -115,6 +116,7 @@ class MegatronTrainer:
         self._loss_opts = loss_options(algo)
         self.step = 0
         lr_at(train, 0)
+        self.memory = DeviceOffload(lambda: (self.model, self.ref_model), self.optimizer, self.device)
 
     def _build_loaded(self, local: dict[str, Tensor], dtype: torch.dtype) -> torch.nn.Module:
         """This rank's GPTModel holding ``local`` (its shard of the converted weights)."""
@@ -469,6 +471,13 @@ class MegatronTrainer:
         self.optimizer.load_state_dict(state["optim"])
         torch.set_rng_state(state["rng"])
         self.step = int(meta["step"])
+
+    # -- colocation: the same storage-level offload as the FSDP2 trainer (trainers/offload.py) --------
+    def offload(self) -> dict[str, float]:
+        return self.memory.offload()
+
+    def reload(self) -> dict[str, float]:
+        return self.memory.reload()
 
     def close(self) -> None:
         from megatron.core import parallel_state as ps

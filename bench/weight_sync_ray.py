@@ -1,0 +1,180 @@
+"""Benchmark: the two weight-sync paths under Ray (``cluster.mode=ray``) against raw baselines moving the
+same bytes between two Ray actors, in the same run.
+
+The real stack: one FSDP2 trainer rank as a Ray actor (`RayTrainerGroup`) and one embedded engine actor
+under the `EngineSupervisor`, with a Qwen3-shaped model (random init). Per repeat, interleaved:
+
+- object store (``sync.transport`` unset): the driver gathers rank 0's weights, ``ray.put``s them, the
+  engine reads and loads them -- against a raw hop: one actor ``ray.put``s the tensors, another
+  ``ray.get``s them and copies them into preallocated buffers. The real path makes one more hop (through
+  the driver), so expect well under 1.
+- rank 0 broadcast (``sync.transport=distributed``, miles_agent/runtime/rank0_sync.py): rank 0 gathers
+  and broadcasts over gloo to the engine actor -- against raw gloo broadcasts of the same tensors from
+  one actor into preallocated buffers of another. Goal >= 0.8.
+
+A ratio is baseline time / path time (= path bandwidth / raw bandwidth). The first push of each path
+runs with the checksum check on (and must pass); timed pushes run without it.
+
+    python bench/weight_sync_ray.py            # ~200 MiB of fp32 weights, 5 repeats
+    python bench/weight_sync_ray.py --quick    # ~20 MiB, 3 repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+
+import torch
+
+GOAL = 0.8
+
+
+class RawPeer:
+    """One side of a raw baseline (wrapped with ray.remote): preallocated tensors of the model's shapes."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+        torch.set_num_threads(1)
+        self.bufs = [torch.randn(s) for s in shapes]
+        self.group = None
+
+    def port(self) -> int:
+        from miles_agent.weight_sync.dist import free_port
+
+        return free_port()
+
+    def join(self, port: int, rank: int) -> None:
+        from miles_agent.weight_sync.dist import init_custom_process_group
+
+        self.group = init_custom_process_group("gloo", "127.0.0.1", port, rank, 2, "raw_baseline")
+
+    def broadcast_all(self) -> None:  # the same call on both sides: rank 0 sends, rank 1 receives
+        for t in self.bufs:
+            torch.distributed.broadcast(t, 0, self.group)
+
+    def put_all(self) -> list:
+        import ray
+
+        return [ray.put(self.bufs)]  # nested in a list: the receiver fetches it itself
+
+    def get_all(self, refs: list) -> None:
+        import ray
+
+        with torch.no_grad():
+            for buf, t in zip(self.bufs, ray.get(refs[0])):
+                buf.copy_(t)
+
+
+def build_model(hidden: int, layers: int):  # noqa: ANN201
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from miles_agent.models.tokenizer import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=hidden // 8, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(cfg), tok
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    hidden, layers = (256, 6) if args.quick else (1024, 4)
+    repeats = args.repeats or (3 if args.quick else 5)
+
+    from miles_agent.runtime.ray_cluster import loopback_only
+
+    loopback_only()
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    import ray
+
+    from miles_agent.config import AlgoConfig, TrainConfig
+    from miles_agent.runtime.engine_actor import remote_engine_class
+    from miles_agent.runtime.launch import ObjectStoreTransport
+    from miles_agent.runtime.rank0_sync import RankZeroTransport
+    from miles_agent.runtime.supervisor import EngineSupervisor
+    from miles_agent.runtime.trainer_actor import RayTrainerGroup
+    from miles_agent.weight_sync.core import identity
+
+    ray.init(address="local", include_dashboard=False, num_cpus=8, log_to_driver=False)
+    model, tok = build_model(hidden, layers)
+    shapes = [tuple(t.shape) for t in model.state_dict().values()]
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    group = RayTrainerGroup(model, tok, TrainConfig(world_size=1), AlgoConfig(), temperature=1.0, device="cpu",
+                            options=lambda rank: {"num_cpus": 1})
+    cls = remote_engine_class()
+    model_ref, tok_ref = ray.put(model), ray.put(tok)
+    sup = EngineSupervisor(lambda i: cls.options(num_cpus=1).remote(model_ref, tok_ref, 8, "cpu"), 1,
+                           health_check_interval_s=0)
+    options = dict(backend="gloo", master_address="127.0.0.1", bucket_bytes=64 << 20, check=False, name_map=identity)
+    object_store = ObjectStoreTransport(sup)
+    rank0 = RankZeroTransport(group, sup, options)
+    checked = RankZeroTransport(group, sup, {**options, "check": True})
+    peers = [ray.remote(num_cpus=1)(RawPeer).remote(shapes) for _ in range(2)]
+    port = ray.get(peers[0].port.remote())
+    ray.get([peers[0].join.remote(port, 0), peers[1].join.remote(port, 1)])
+
+    def raw_object_store() -> None:
+        ray.get(peers[1].get_all.remote(ray.get(peers[0].put_all.remote())))
+
+    def raw_gloo() -> None:
+        ray.get([peers[0].broadcast_all.remote(), peers[1].broadcast_all.remote()])
+
+    def timed(fn) -> float:  # noqa: ANN001
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    async def run() -> dict:
+        version = 0
+
+        async def push(transport) -> float:  # noqa: ANN001
+            nonlocal version
+            version += 1
+            t = time.perf_counter()
+            await transport.push(group.named_weights(), version)
+            return time.perf_counter() - t
+
+        first = await checked.push(None, 1)  # rank 0 broadcast with checksums compared: must pass
+        assert first["sync_checked_tensors"] > 0
+        await push(object_store)  # warm both paths
+        raw_object_store()
+        raw_gloo()
+        ratios: dict[str, list[float]] = {"object store / raw ray.put+get": [], "rank 0 broadcast / raw gloo": []}
+        for _ in range(repeats):
+            base = timed(raw_object_store)
+            ratios["object store / raw ray.put+get"].append(base / await push(object_store))
+            base = timed(raw_gloo)
+            ratios["rank 0 broadcast / raw gloo"].append(base / await push(rank0))
+        return ratios
+
+    try:
+        ratios = asyncio.run(run())
+    finally:
+        group.close()
+        sup.kill()
+        ray.shutdown()
+    print(f"weights: {nbytes / 2**20:.0f} MiB fp32 ({len(shapes)} tensors), {repeats} repeats, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    result = {"bytes": nbytes, "repeats": repeats, "ratios": {}}
+    for label, r in ratios.items():
+        s = {"min": min(r), "median": statistics.median(r), "max": max(r)}
+        result["ratios"][label] = s
+        print(f"{label}: median {s['median']:.2f}  (min {s['min']:.2f}, max {s['max']:.2f})"
+              + (f"  goal >= {GOAL}" if "gloo" in label else ""))
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

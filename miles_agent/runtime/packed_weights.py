@@ -1,0 +1,57 @@
+"""Full weights as a few flat byte buffers: the form in which they cross Ray's object store.
+
+Ray stores a numpy array with one memcpy and hands it to readers on the same node zero-copy, from
+shared memory; a list of torch tensors is pickled instead, several times slower for the same bytes
+(``python bench/weight_sync_ray.py``). So the trainer ranks, the supervisor and the engine actors pass
+`PackedWeights`: flat uint8 buckets (split where dtypes change alignment) with SGLang-style metadata.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from miles_agent.weight_sync.core import TensorMeta, flat_buckets, pack, unpack
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+BUCKET_BYTES = 256 << 20  # GPU weights are packed on the device first: this bounds that extra memory
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    parts: list[tuple[Any, list[TensorMeta]]]  # (1-D uint8 numpy array, the tensors in it)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a, _ in self.parts)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Named views (no copy). Arrays read from the object store are read-only: load from these views
+        (copy them into parameters), never write to them."""
+        import torch
+
+        out = []
+        with warnings.catch_warnings():  # torch warns that the read-only buffer is shared, which is the point
+            warnings.simplefilter("ignore", UserWarning)
+            for array, metas in self.parts:
+                out.extend(unpack(torch.from_numpy(array), metas))
+        return out
+
+
+def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PackedWeights:
+    """Copy the tensors (on any device) into host byte buffers: packed where they are, then one copy
+    to host per bucket."""
+    parts = []
+    for bucket in flat_buckets(((n, t.detach()) for n, t in named_tensors), BUCKET_BYTES):
+        flat, metas = pack(bucket)
+        parts.append((flat.cpu().numpy(), metas))
+    return PackedWeights(parts)
+
+
+def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
+    """Tensors from `PackedWeights` or a plain list of (name, tensor)."""
+    return weights.tensors() if isinstance(weights, PackedWeights) else list(weights)
