@@ -33,9 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from miles_agent import true_on_policy
 from miles_agent.algorithms import mismatch
-from miles_agent.algorithms.distill import distill_loss
 from miles_agent.algorithms.estimators import needs_reference
-from miles_agent.algorithms.losses import compute_loss, loss_options, validate_options
+from miles_agent.algorithms.losses import loss_options, validate_options
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
 from miles_agent.trainer import TrainBatch
@@ -43,8 +42,14 @@ from miles_agent.trainers import checkpoint as ckpt
 from miles_agent.trainers import routing_replay
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
 from miles_agent.trainers.lr_schedule import lr_at
-from miles_agent.trainers.minibatch import normalizers, row_weight_tensor, split_mini_batches, to_grid
+from miles_agent.trainers.minibatch import (
+    normalizers,
+    split_mini_batches,
+    step_metrics,
+    to_grid,
+)
 from miles_agent.trainers.offload import DeviceOffload
+from miles_agent.trainers.step_loss import micro_batch_loss
 from miles_agent.types import Trajectory
 
 
@@ -235,31 +240,9 @@ class FSDP2Trainer:
     def _micro_step(self, mb: MicroBatch, old: Tensor | None, ref: Tensor | None, norm: dict,
                     measure: bool) -> dict[str, Tensor]:
         logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=self.algo.entropy_coef != 0)
-        a = self.algo
-        is_weights = None
-        if a.mismatch_correction != "none":  # check_options guarantees the trainer's own old logprobs
-            is_weights = mismatch.correction_weights(old, mb.rollout_logp, mb.loss_mask,
-                                                     correction=a.mismatch_correction, level=a.mismatch_level,
-                                                     low=a.mismatch_low, high=a.mismatch_high, veto=a.mismatch_veto)
-        loss, metrics = compute_loss(logp, mb.rollout_logp if old is None else old, mb.advantages, mb.loss_mask,
-                                     ref_logp=ref, entropy=entropy, is_weights=is_weights,
-                                     num_tokens=norm["num_tokens"], num_seqs=norm["num_seqs"],
-                                     row_weights=row_weight_tensor(mb, norm), **self._loss_opts)
-        if mb.teacher_logp is not None:  # on-policy distillation in loss mode (algorithms/distill.py)
-            term, extra = distill_loss(logp, mb.teacher_logp, mb.loss_mask, coef=self.algo.distill_coef,
-                                       loss_agg=self.algo.loss_agg, num_tokens=norm["num_tokens"],
-                                       num_seqs=norm["num_seqs"])
-            loss, metrics = loss + term, {**metrics, **extra, "loss": metrics["loss"] + extra["distill_loss"]}
+        loss, metrics = micro_batch_loss(self.algo, self._loss_opts, logp, entropy, mb, old, ref, norm, measure)
         # FSDP averages gradients over ranks; each rank's loss is its share of the global sum.
         (loss * self.world_size).backward()
-        if is_weights is not None:
-            metrics["mismatch/masked_tokens"] = ((is_weights == 0) & (mb.loss_mask > 0)).float().sum()
-            metrics["mismatch/weight_sum"] = (is_weights * mb.loss_mask).sum()
-        if measure:
-            pre_update = logp.detach() if old is None else old
-            sums = mismatch.mismatch_sums(pre_update, mb.rollout_logp, mb.loss_mask, low=a.mismatch_low,
-                                          high=a.mismatch_high)
-            metrics.update({f"mismatch/{k}": v for k, v in sums.items()})
         return metrics
 
     def _clip_and_step(self) -> float:
@@ -290,25 +273,8 @@ class FSDP2Trainer:
                 dist.all_reduce(stacked)
                 dist.all_reduce(mx, op=dist.ReduceOp.MAX)
             values = dict(zip(names, stacked.tolist()))
-        out = {k: v / len(grad_norms) for k, v in values.items() if not k.startswith("mismatch/")}
-        measured = max(values.get("mismatch/tokens", 0.0), 1.0)
-        if "mismatch/tokens" in values:
-            out.update(logprob_mismatch_mean=values["mismatch/abs_sum"] / measured, logprob_mismatch_max=float(mx),
-                       mismatch_k1=values["mismatch/k1_sum"] / measured,
-                       mismatch_k3=values["mismatch/k3_sum"] / measured,
-                       mismatch_out_of_range=values["mismatch/out_of_range"] / measured)
-        trained = max(float(sum(sum(t.loss_mask) for t in trajs)) * self.train_cfg.ppo_epochs, 1.0)
-        if "mismatch/weight_sum" in values:  # over every token of every step
-            out.update(mismatch_masked_frac=values["mismatch/masked_tokens"] / trained,
-                       mismatch_weight_mean=values["mismatch/weight_sum"] / trained)
-        finite = [g for g in grad_norms if math.isfinite(g)]
-        out.update(grad_norm=sum(finite) / len(finite) if finite else math.nan,
-                   lr=float(self.optimizer.param_groups[0]["lr"]),
-                   tokens=float(sum(sum(t.loss_mask) for t in trajs)),
-                   seqs=float(sum(1 for t in trajs if any(t.loss_mask))), step=float(self.step),
-                   optimizer_steps=float(len(grad_norms)), mini_batches=float(n_minis),
-                   skipped_step=float(len(grad_norms) - len(finite)))
-        return out
+        return step_metrics(values, float(mx), grad_norms, trajs, n_minis, self.train_cfg.ppo_epochs,
+                            float(self.optimizer.param_groups[0]["lr"]), self.step)
 
     # -- weights out --------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:

@@ -10,6 +10,7 @@ every optimizer step is the mean over its own data.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -62,3 +63,28 @@ def to_grid(mb: MicroBatch, rows: Sequence[Sequence[float]]) -> Tensor:
     for b, (i, (c, n)) in enumerate(zip(mb.indices, mb.response_cols)):
         grid[b, c:c + n] = torch.tensor(rows[i][:n], dtype=torch.float32)
     return grid.to(mb.loss_mask.device)
+
+
+def step_metrics(values: dict[str, float], abs_max: float, grad_norms: Sequence[float],
+                 trajectories: Sequence[Trajectory], n_minis: int, ppo_epochs: int, lr: float,
+                 step: int) -> dict[str, float]:
+    """A ``train_step``'s metrics from its metric shares summed over micro-batches and ranks: loss terms
+    as means over optimizer steps, mismatch metrics per measured (or trained) token."""
+    out = {k: v / len(grad_norms) for k, v in values.items() if not k.startswith("mismatch/")}
+    measured = max(values.get("mismatch/tokens", 0.0), 1.0)
+    if "mismatch/tokens" in values:
+        out.update(logprob_mismatch_mean=values["mismatch/abs_sum"] / measured, logprob_mismatch_max=abs_max,
+                   mismatch_k1=values["mismatch/k1_sum"] / measured,
+                   mismatch_k3=values["mismatch/k3_sum"] / measured,
+                   mismatch_out_of_range=values["mismatch/out_of_range"] / measured)
+    tokens = float(sum(sum(t.loss_mask) for t in trajectories))
+    trained = max(tokens * ppo_epochs, 1.0)
+    if "mismatch/weight_sum" in values:  # over every token of every step
+        out.update(mismatch_masked_frac=values["mismatch/masked_tokens"] / trained,
+                   mismatch_weight_mean=values["mismatch/weight_sum"] / trained)
+    finite = [g for g in grad_norms if math.isfinite(g)]
+    out.update(grad_norm=sum(finite) / len(finite) if finite else math.nan, lr=lr, tokens=tokens,
+               seqs=float(sum(1 for t in trajectories if any(t.loss_mask))), step=float(step),
+               optimizer_steps=float(len(grad_norms)), mini_batches=float(n_minis),
+               skipped_step=float(len(grad_norms) - len(finite)))
+    return out

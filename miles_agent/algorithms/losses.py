@@ -252,19 +252,3 @@ def validate_options(algo: AlgoConfig) -> None:
     if algo.dual_clip_c is not None and not algo.dual_clip_c > 1.0:
         raise UserError(f"algo.dual_clip_c must be > 1 (got {algo.dual_clip_c}); typical is 3, or null to disable")
 
-
-def require_single_step(backend: str, train: Any, algo: AlgoConfig) -> None:
-    """For a trainer that implements only one optimizer step per batch with the plain loss: name every
-    option it would otherwise ignore silently."""
-    ignored = []
-    if train.mini_batches != 1 or train.ppo_epochs != 1:
-        ignored.append(f"train.mini_batches={train.mini_batches} / train.ppo_epochs={train.ppo_epochs}")
-    if algo.mismatch_correction != "none":
-        ignored.append(f"algo.mismatch_correction={algo.mismatch_correction}")
-    if algo.kl_reward_coef > 0:
-        ignored.append("algo.kl_reward_coef > 0 (needs a reference model)")
-    if algo.loss_agg == "group_mean_token_mean":
-        ignored.append("algo.loss_agg=group_mean_token_mean")
-    if ignored:
-        raise UserError(f"the {backend} trainer does not support {'; '.join(ignored)} yet; "
-                        "use train.backend=fsdp2 or leave these at their defaults")

@@ -19,10 +19,9 @@ from miles_agent.algorithms.losses import (
     k2,
     k3,
     ppo_clip,
-    require_single_step,
     validate_options,
 )
-from miles_agent.config import AlgoConfig, TrainConfig
+from miles_agent.config import AlgoConfig
 from miles_agent.errors import UserError
 
 # ratios: row 0 = 1.5 (A=+1, clipped high), 0.5 (A=-1, clipped low), 1.0 (A=2);
@@ -196,9 +195,3 @@ def test_is_weights_multiply_the_policy_loss_only() -> None:
     assert float(m["pg_loss"]) == pytest.approx(pg)
     assert float(loss) == pytest.approx(pg + 0.1 * float(m["kl"]))
 
-
-def test_single_step_backends_name_the_options_they_would_ignore() -> None:
-    require_single_step("megatron", TrainConfig(), AlgoConfig(loss="gspo", dual_clip_c=3.0))
-    with pytest.raises(UserError, match="mini_batches=2.*mismatch_correction=tis.*train.backend=fsdp2"):
-        require_single_step("megatron", TrainConfig(mini_batches=2),
-                            AlgoConfig(mismatch_correction="tis", use_rollout_logprobs=False))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from megatron_helpers import trajectories
 
 from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_agent.errors import UserError
@@ -13,23 +14,6 @@ from miles_agent.models.builder import build_tiny, load_hf
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
 from miles_agent.trainers.megatron.trainer import MegatronTrainer
-from miles_agent.types import Trajectory
-
-PROMPTS = [[11, 12, 13, 14], [21, 22], [31, 32, 33], [41, 42, 43, 44, 45]]
-
-
-def trajectories() -> list[Trajectory]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i, prompt in enumerate(PROMPTS):
-        t = Trajectory(prompt_ids=list(prompt), group_id=str(i % 2))
-        ids = torch.randint(60, 200, (9,), generator=g).tolist()
-        t.append_model(ids[:3 + i % 3], [-1.5] * (3 + i % 3), weight_version=0, turn=0)
-        t.append_observation(ids[6:8], turn=0)
-        t.append_model(ids[8:], [-2.0], weight_version=0, turn=1)
-        t.reward = float(i % 2)
-        out.append(t.validate())
-    return out
 
 
 @pytest.fixture
@@ -99,10 +83,15 @@ def test_save_hf_and_checkpoint_round_trip(pair, tmp_path):
     assert again["loss"] == first["loss"] and again["grad_norm"] == first["grad_norm"]
 
 
-def test_pipeline_parallel_training_is_refused_clearly():
+def test_unwired_layouts_are_refused_clearly():
     model, tok = build_tiny("tiny-qwen3", seed=0)
-    with pytest.raises(UserError, match="pipeline_parallel"):
-        MegatronTrainer(model, tok, TrainConfig(), AlgoConfig(), megatron=MegatronConfig(pipeline_parallel=2))
+    with pytest.raises(UserError, match="context_parallel"):
+        MegatronTrainer(model, tok, TrainConfig(), AlgoConfig(), megatron=MegatronConfig(context_parallel=2))
+    model, tok = build_tiny("tiny-qwen3-moe", seed=0)
+    with pytest.raises(UserError, match="alltoall token dispatcher"):
+        MegatronTrainer(model, tok, TrainConfig(world_size=2), AlgoConfig(),
+                        megatron=MegatronConfig(pipeline_parallel=2))
+    assert not dist.is_initialized()
 
 
 def test_offload_round_trip_frees_the_state_and_restores_it_bit_for_bit(pair):

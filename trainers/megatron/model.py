@@ -127,6 +127,9 @@ def transformer_config(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype 
     require("megatron.core", "megatron", "the Megatron-core trainer backend")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # alltoall is the fast MoE path with expert parallelism; it needs CUDA streams, so CPU uses allgather
+    # (same numbers, different communication). A dense model has no dispatcher: alltoall is only a setting.
+    dispatcher = "alltoall" if torch.cuda.is_available() or not spec.is_moe else "allgather"
     kw: dict[str, Any] = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
@@ -143,6 +146,10 @@ def transformer_config(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype 
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
+        # packed micro-batches differ in length: pipeline stages exchange activation shapes first (the
+        # allgather dispatcher cannot; the trainer refuses MoE pipelines on CPU, the model still builds)
+        variable_seq_lengths=sizes.pipeline > 1 and dispatcher != "allgather",
+        moe_token_dispatcher_type=dispatcher,
     )
     if spec.is_moe:
         kw.update(
@@ -154,10 +161,7 @@ def transformer_config(spec: ArchSpec, sizes: ParallelSizes, dtype: torch.dtype 
             # no-renormalization variant.
             moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_score_function="softmax",
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            # alltoall is the fast path with expert parallelism; it needs CUDA streams, so CPU uses allgather
-            # (same numbers, different communication).
-            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather", moe_layer_freq=[int(i in spec.moe_layers)
-                                                                  for i in range(spec.num_layers)],
+            moe_layer_freq=[int(i in spec.moe_layers) for i in range(spec.num_layers)],
             moe_grouped_gemm=False,
         )
     kw.update(qk_layernorm=spec.qk_norm, add_qkv_bias=spec.qkv_bias, **_family_kwargs(spec))

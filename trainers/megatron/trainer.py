@@ -6,8 +6,8 @@ FSDP2 trainer's micro-batch code, computes logprobs with Megatron's vocab-parall
 applies ``compute_loss`` from miles_agent.algorithms -- so an algorithm never knows the backend.
 Weights leave in the engine's HF names (``named_weights``), so every weight-sync transport works.
 
-Parallelism: tensor, expert and data parallel; pipeline parallel is refused for training here (the
-sharding plan and conversion support it; the pipeline schedule is not wired yet).
+Parallelism: tensor, expert, data and pipeline parallel (Megatron's 1F1B schedule, ``pipeline.py``);
+context parallel is refused. Gradients are completed as Megatron's ``finalize_model_grads`` does.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_agent.algorithms.losses import compute_loss, loss_options, require_single_step, validate_options
+from miles_agent.algorithms import mismatch
+from miles_agent.algorithms.estimators import needs_reference
+from miles_agent.algorithms.losses import loss_options, validate_options
 from miles_agent.atomic import replace_dir
 from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_agent.errors import UserError, require
@@ -35,7 +37,14 @@ from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.trainers.megatron import bridge
 from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded_vocab
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
+from miles_agent.trainers.minibatch import (
+    normalizers,
+    split_mini_batches,
+    step_metrics,
+    to_grid,
+)
 from miles_agent.trainers.offload import DeviceOffload
+from miles_agent.trainers.step_loss import micro_batch_loss
 from miles_agent.types import Trajectory
 
 
@@ -48,25 +57,34 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         validate_options(algo)
-        require_single_step("megatron", train, algo)
-        if algo.kl_coef > 0:
-            raise UserError("algo.kl_coef > 0 needs a reference model, which the Megatron backend does not "
-                            "keep yet; use train.backend=fsdp2 or algo.kl_coef=0")
+        mismatch.check_options(algo)
+        if train.mini_batches < 1 or train.ppo_epochs < 1:
+            raise UserError(f"train.mini_batches and train.ppo_epochs must be >= 1 (got {train.mini_batches}, "
+                            f"{train.ppo_epochs})")
+        if not temperature > 0:
+            raise UserError(f"temperature must be > 0 (got {temperature}); logits are divided by it")
+        for name in ("routing_replay", "true_on_policy"):
+            if getattr(algo, name):
+                raise UserError(f"algo.{name} is implemented by the fsdp2 trainer only; set train.backend=fsdp2 "
+                                f"or algo.{name}=false")
         mcfg = megatron or MegatronConfig()
         self.sizes = ParallelSizes(tensor=mcfg.tensor_parallel, pipeline=mcfg.pipeline_parallel,
                                    expert=mcfg.expert_parallel, context=mcfg.context_parallel,
                                    expert_tensor=mcfg.expert_tensor_parallel,
                                    first_stage_layers=mcfg.first_stage_layers, last_stage_layers=mcfg.last_stage_layers)
-        if self.sizes.pipeline > 1 or self.sizes.context > 1:
-            raise UserError("megatron.pipeline_parallel and megatron.context_parallel > 1 are not wired into "
-                            "the training step yet; use tensor/expert/data parallelism (pipeline=1, context=1)")
+        if self.sizes.context > 1:
+            raise UserError("megatron.context_parallel > 1 is not wired into the training step yet (the "
+                            "micro-batches are not split along the sequence); use megatron.context_parallel=1")
+        self.spec = bridge.arch_spec(model.config)
+        if self.sizes.pipeline > 1 and self.spec.is_moe and not torch.cuda.is_available():
+            raise UserError("megatron.pipeline_parallel > 1 with an MoE model needs Megatron's alltoall token "
+                            "dispatcher, which needs CUDA; on CPU use tensor/expert/data parallelism for MoE")
         self.train_cfg, self.algo, self.temperature = train, algo, float(temperature)
         self.tokenizer, self.device = tokenizer, torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._owns_group = init_distributed(self.device, train.world_size)  # the FSDP2 backend's join-or-create
-        self.spec = bridge.arch_spec(model.config)
         self.sizes.check(self.spec, dist.get_world_size())
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(self.sizes.tensor, self.sizes.pipeline,
@@ -81,35 +99,56 @@ class MegatronTrainer:
         self.coords = RankCoords(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                  ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.model = build_gpt(self.spec, self.sizes, next(model.parameters()).dtype).to(self.device)
+        dtype = next(model.parameters()).dtype
         full = bridge.hf_to_megatron(bridge.hf_checkpoint_tensors(model), self.spec,
                                      padded_vocab(self.spec, self.sizes.tensor))
         local = shard(full, self.spec, self.sizes, self.coords)
-        missing, unexpected = self.model.load_state_dict(local, strict=False)
-        if unexpected or any(not k.endswith("_extra_state") for k in missing):
-            raise RuntimeError(f"converted weights do not fit the Megatron model: missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]}")
-        del full, local
+        del full
+        self.model = self._build_loaded(local, dtype)
+        self.ref_model: torch.nn.Module | None = None
+        if needs_reference(algo):  # a frozen copy of the initial policy, sharded the same way (not saved)
+            self.ref_model = self._build_loaded(local, dtype).requires_grad_(False).eval()
+        del local
+        self.on_micro_batch: Callable[[int, int], None] | None = None  # (done, total): the live view's hook
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
                                            eps=train.adam_eps, weight_decay=train.weight_decay)
         self._loss_opts = loss_options(algo)
         self.step = 0
         lr_at(train, 0)
-        self.memory = DeviceOffload(lambda: (self.model,), self.optimizer, self.device)
+        self.memory = DeviceOffload(lambda: (self.model, self.ref_model), self.optimizer, self.device)
+
+    def _build_loaded(self, local: dict[str, Tensor], dtype: torch.dtype) -> torch.nn.Module:
+        """This rank's GPTModel holding ``local`` (its shard of the converted weights)."""
+        gpt = build_gpt(self.spec, self.sizes, dtype).to(self.device)
+        missing, unexpected = gpt.load_state_dict(local, strict=False)
+        if unexpected or any(not k.endswith("_extra_state") for k in missing):
+            raise RuntimeError(f"converted weights do not fit the Megatron model: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
+        return gpt
 
     # -- forward ------------------------------------------------------------------------------------
-    def _logp(self, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
+    def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+        """This stage's output for ``mb``: the logits on the last pipeline stage, hidden states before it
+        (a later stage's input arrives through Megatron's ``set_input_tensor``)."""
+        ids = self._common_shape(mb.input_ids)
+        b, length = ids.shape
+        positions = torch.arange(length, device=ids.device).expand(b, -1)
+        causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=ids.device), 1)[None, None]
+        return model(ids, positions, causal)
+
+    def _logp(self, model: torch.nn.Module, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
               ) -> tuple[Tensor, Tensor | None]:
+        return self._logits_logp(self._forward(model, mb), mb, entropy, entropy_grad)
+
+    def _logits_logp(self, output: Tensor, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
+                     ) -> tuple[Tensor, Tensor | None]:
         """Logprob of each grid target at ``temperature``, vocabulary-parallel across TP ranks; padded
         vocabulary rows are excluded from the softmax."""
         from megatron.core import tensor_parallel
 
-        ids = mb.input_ids
-        b, length = ids.shape
-        positions = torch.arange(length, device=ids.device).expand(b, -1)
-        causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=ids.device), 1)[None, None]
-        logits = self.model(ids, positions, causal)[:, mb.offset:-1].float() / self.temperature
+        rows, cols = mb.targets.shape
+        logits = output[:rows, mb.offset:mb.offset + cols].float() / self.temperature
         logits = self._mask_padded_vocab(logits)
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), mb.targets)
         ent = None
@@ -117,6 +156,25 @@ class MegatronTrainer:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = self._vocab_parallel_entropy(logits if entropy_grad else logits.detach())
         return logp, ent
+
+    def _common_shape(self, ids: Tensor) -> Tensor:
+        """``ids`` padded (extra pad rows below, pad columns right) to the largest micro-batch among the
+        ranks whose tokens Megatron's all-gather MoE dispatcher (the CPU one) gathers: it needs equal
+        shapes, and data-parallel ranks hold different micro-batches. The padding is causal-invisible to
+        the real tokens, routed without capacity limits, and cut off before the loss."""
+        from megatron.core import parallel_state as ps
+
+        if not (self.spec.is_moe and self.model.config.moe_token_dispatcher_type == "allgather"
+                and self.sizes.expert * self.sizes.expert_tensor > 1):
+            return ids
+        shape = torch.tensor(ids.shape, device=ids.device)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
+        b, length = (int(x) for x in shape)
+        if (b, length) == tuple(ids.shape):
+            return ids
+        out = ids.new_full((b, length), self.pad_id)
+        out[:ids.shape[0], :ids.shape[1]] = ids
+        return out
 
     def _mask_padded_vocab(self, logits: Tensor) -> Tensor:
         per_rank = logits.shape[-1]
@@ -143,85 +201,170 @@ class MegatronTrainer:
         return lse - p_z
 
     def _micro_batches(self, trajectories: Sequence[Trajectory], plan: list[list[int]],
-                       advantages: Sequence[Sequence[float]] | None) -> list[MicroBatch]:
-        return [build_micro_batch(trajectories, idx, advantages, self.pad_id).to(self.device) for idx in plan]
+                       advantages: Sequence[Sequence[float]] | None,
+                       teacher: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
+        return [build_micro_batch(trajectories, idx, advantages, self.pad_id, teacher).to(self.device)
+                for idx in plan]
 
     @torch.no_grad()
-    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+    def _no_grad_logps(self, model: torch.nn.Module, mbs: Sequence[MicroBatch]) -> list[Tensor]:
+        """Every micro-batch's logprobs, on every rank (pipeline: computed on the last stage, broadcast)."""
+        model.eval()
+        if self.sizes.pipeline == 1:
+            return [self._logp(model, mb)[0] for mb in mbs]
+        from miles_agent.trainers.megatron import pipeline
+
+        def loss_func(mb: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            logp = self._logits_logp(output, mb)[0]
+            return logp.sum() * 0.0, {"logp": logp}
+
+        outs = pipeline.run(model, mbs, self._forward, loss_func, forward_only=True)
+        return pipeline.from_last_stage([o["logp"] for o in outs] if outs else None,
+                                        [mb.targets.shape for mb in mbs], self.device)
+
+    def compute_logprobs(self, trajectories: Sequence[Trajectory], reference: bool = False) -> list[list[float]]:
+        """Current-policy (or, with ``reference``, reference-policy) logprob per response position
+        (0.0 where the model did not sample). Every rank computes all trajectories (a collective)."""
+        model = self.model
+        if reference:
+            if self.ref_model is None:
+                raise ValueError("no reference model: it exists only with algo.kl_coef or algo.kl_reward_coef > 0")
+            model = self.ref_model
         lengths = [len(t.tokens) for t in trajectories]
         plan = pack_micro_batches(range(len(trajectories)), lengths, self.train_cfg.micro_batch_tokens)
         out: list[list[float]] = [[] for _ in trajectories]
-        self.model.eval()
-        for mb in self._micro_batches(trajectories, plan, None):
-            logp, _ = self._logp(mb)
+        mbs = self._micro_batches(trajectories, plan, None)
+        for mb, logp in zip(mbs, self._no_grad_logps(model, mbs)):
             for i, row in zip(mb.indices, mb.rows_to_lists(logp)):
                 out[i] = row
         return out
 
     # -- the step -----------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over the whole batch, the loss normalized by the global batch (as FSDP2)."""
-        trajs = batch.trajectories
-        plan = rank_plan([len(t.tokens) for t in trajs], self.train_cfg.micro_batch_tokens,
-                         self.dp_size, self.dp_rank)
-        mbs = self._micro_batches(trajs, plan, batch.advantages)
-        norm = {"num_tokens": float(sum(sum(t.loss_mask) for t in trajs)),
-                "num_seqs": float(sum(1 for t in trajs if any(t.loss_mask)))}
-        olds: list[Tensor | None] = [None] * len(mbs)
-        if not self.algo.use_rollout_logprobs:
-            self.model.eval()
-            with torch.no_grad():
-                olds = [self._logp(mb)[0] for mb in mbs]
+        """``train.mini_batches`` x ``train.ppo_epochs`` optimizer steps, laid out exactly as the FSDP2
+        trainer lays them out (``minibatch``): the old and reference logprobs are computed once, before the
+        first step; each step's loss is normalized by its own share. Metrics are means over the steps."""
+        trajs, cfg = batch.trajectories, self.train_cfg
+        lengths = [len(t.tokens) for t in trajs]
+        minis = split_mini_batches([t.group_id for t in trajs], cfg.mini_batches)
+        steps = []  # per mini-batch: (its micro-batches, olds, refs, normalizers)
+        for mini in minis:
+            plan = [[mini[j] for j in mb] for mb in rank_plan([lengths[i] for i in mini], cfg.micro_batch_tokens,
+                                                                self.dp_size, self.dp_rank)]
+            mbs = self._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
+            olds = self._given_or_computed(mbs, batch.old_logprobs, None if self.algo.use_rollout_logprobs
+                                           else self.model)
+            refs = self._given_or_computed(mbs, batch.ref_logprobs, self.ref_model)
+            steps.append((mbs, olds, refs, normalizers(trajs, mini, self.algo.loss_agg)))
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Tensor] = {}
-        mismatch_max = torch.zeros((), device=self.device)
-        for mb, old in zip(mbs, olds):
-            logp, entropy = self._logp(mb, entropy=True, entropy_grad=self.algo.entropy_coef != 0)
-            loss, metrics = compute_loss(logp, mb.rollout_logp if old is None else old, mb.advantages,
-                                         mb.loss_mask, ref_logp=None, entropy=entropy, **self._loss_opts, **norm)
-            loss.backward()  # each data-parallel rank's loss is its share of the global sum
-            diff = (logp.detach() - mb.rollout_logp).abs() * mb.loss_mask
-            metrics["logprob_mismatch_mean"] = diff.sum() / max(norm["num_tokens"], 1.0)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-            if diff.numel():
-                mismatch_max = torch.maximum(mismatch_max, diff.max())
-        self._sync_grads()
-        grad_norm = self._clip_and_step()
-        return self._reduce_metrics(sums, mismatch_max, grad_norm, norm)
+        grad_norms = []
+        done, total = 0, cfg.ppo_epochs * sum(len(step[0]) for step in steps)
+        for epoch in range(cfg.ppo_epochs):
+            for m, (mbs, olds, refs, norm) in enumerate(steps):
+                self.optimizer.zero_grad(set_to_none=True)
+                # the mismatch is measured where the trainer's pre-update logprobs are known
+                measure = epoch == 0 and (olds[0] is not None or m == 0)
+                for metrics in self._backward_micro_batches(mbs, olds, refs, norm, measure):
+                    for k, v in metrics.items():
+                        sums[k] = torch.maximum(sums[k], v) if k == "mismatch/abs_max" and k in sums \
+                            else sums.get(k, 0.0) + v
+                    done += 1
+                    if self.on_micro_batch is not None:
+                        self.on_micro_batch(done, total)
+                grad_norms.append(self._clip_and_step())
+        return self._reduce_metrics(sums, grad_norms, len(minis), trajs)
+
+    def _given_or_computed(self, mbs: Sequence[MicroBatch], rows: list[list[float]] | None,
+                           model: torch.nn.Module | None) -> list[Tensor | None]:
+        """Per micro-batch: the driver's rows laid on the grid, else ``model``'s logprobs, else None."""
+        if rows is not None:
+            return [to_grid(mb, rows) for mb in mbs]
+        if model is None:
+            return [None] * len(mbs)
+        return self._no_grad_logps(model, mbs)
+
+    def _backward_micro_batches(self, mbs: Sequence[MicroBatch], olds: Sequence[Tensor | None],
+                                refs: Sequence[Tensor | None], norm: dict, measure: bool
+                                ) -> Iterator[dict[str, Tensor]]:
+        """Forward and backward of one optimizer step's micro-batches; their metric shares (with pipeline
+        parallelism: Megatron's 1F1B schedule, the metrics on the last stage only)."""
+        entropy_grad = self.algo.entropy_coef != 0
+        if self.sizes.pipeline == 1:
+            for mb, old, ref in zip(mbs, olds, refs):
+                logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=entropy_grad)
+                loss, metrics = micro_batch_loss(self.algo, self._loss_opts, logp, entropy, mb, old, ref, norm,
+                                                 measure)
+                loss.backward()  # each data-parallel rank's loss is its share of the global sum (_sync_grads)
+                yield metrics
+            return
+        from miles_agent.trainers.megatron import pipeline
+
+        extra = {id(mb): (old, ref) for mb, old, ref in zip(mbs, olds, refs)}
+
+        def loss_func(mb: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            logp, entropy = self._logits_logp(output, mb, entropy=True, entropy_grad=entropy_grad)
+            return micro_batch_loss(self.algo, self._loss_opts, logp, entropy, mb, *extra[id(mb)], norm,
+                                    measure)
+
+        yield from pipeline.run(self.model, mbs, self._forward, loss_func, forward_only=False)
 
     def _sync_grads(self) -> None:
-        """Sum gradients over data-parallel ranks (expert weights over their expert-data-parallel ranks)."""
+        """Complete the gradients Megatron leaves partial (its ``finalize_model_grads`` rules, without its
+        DDP wrapper): replicated weights that see only this rank's heads (q/k norms) or sequence shard
+        are summed over tensor-parallel ranks; then every gradient is summed over data-parallel ranks
+        (expert weights over their expert-data-parallel ranks)."""
         from megatron.core import parallel_state as ps
 
         if dist.get_world_size() == 1:
             return
+        tp_group = ps.get_tensor_model_parallel_group()
         dense = ps.get_data_parallel_group(with_context_parallel=True)
         experts = ps.get_expert_data_parallel_group()
+        seq_parallel = self.model.config.sequence_parallel
+        if self.sizes.pipeline > 1 and self.spec.tied_embeddings and ps.is_rank_in_embedding_group():
+            # tied embeddings: the first stage's input embedding and the last stage's output layer are one
+            # weight held twice; both copies get the sum of their gradients
+            shared = self.model.shared_embedding_or_output_weight()
+            if shared.grad is None:
+                shared.grad = torch.zeros_like(shared)
+            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if self.sizes.tensor > 1:
+                if getattr(p, "average_gradients_across_tp_domain", False):
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=tp_group)
+                elif "q_layernorm" in name or "k_layernorm" in name or (
+                        seq_parallel and getattr(p, "sequence_parallel", False)):
+                    dist.all_reduce(p.grad, group=tp_group)
             group = experts if ".local_experts." in name else dense
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
 
     def _clip_and_step(self) -> float:
-        """Global grad norm over the model-parallel shards (replicated tensors counted once)."""
+        """Sum the gradients over data-parallel ranks, clip by the global norm over the model-parallel
+        shards (replicated tensors counted once), step; a non-finite norm skips the step."""
         from megatron.core import parallel_state as ps
 
-        sq = torch.zeros((), device=self.device)
+        self._sync_grads()
+        # dense weights: distinct shards over the model-parallel (tensor x pipeline) ranks, TP-replicated
+        # ones counted once; expert weights: distinct over the expert-tensor x expert x pipeline ranks
+        dense, experts = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
-            shared_over_tp = not getattr(p, "tensor_model_parallel", False)
-            if shared_over_tp and self.coords.tensor != 0:
-                continue
-            if ".local_experts." not in name and self.coords.expert != 0:
-                continue  # dense weights are replicated over expert-parallel ranks
-            sq += p.grad.float().pow(2).sum()
+            if getattr(p, "shared", False):
+                continue  # the last stage's copy of tied embeddings: counted on the first stage
+            if ".local_experts." in name:
+                experts += p.grad.float().pow(2).sum()
+            elif getattr(p, "tensor_model_parallel", False) or self.coords.tensor == 0:
+                dense += p.grad.float().pow(2).sum()
         if dist.get_world_size() > 1:
-            dist.all_reduce(sq, group=ps.get_model_parallel_group())
+            dist.all_reduce(dense, group=ps.get_model_parallel_group())
+            if self.spec.is_moe:
+                dist.all_reduce(experts, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        sq = dense + experts
         grad_norm = float(sq.sqrt())
         max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
         if math.isfinite(grad_norm):
@@ -236,10 +379,13 @@ class MegatronTrainer:
         self.step += 1
         return grad_norm
 
-    def _reduce_metrics(self, sums: dict[str, Tensor], mismatch_max: Tensor, grad_norm: float,
-                        norm: dict[str, float]) -> dict[str, float]:
+    def _reduce_metrics(self, sums: dict[str, Tensor], grad_norms: list[float], n_minis: int,
+                        trajs: Sequence[Trajectory]) -> dict[str, float]:
+        """Sum the metric shares over data-parallel ranks (tensor-parallel ranks hold the same values),
+        then the FSDP2 trainer's summary (``minibatch.step_metrics``)."""
         from megatron.core import parallel_state as ps
 
+        mx = sums.pop("mismatch/abs_max", torch.zeros((), device=self.device))
         names = sorted(sums)
         values: dict[str, float] = {}
         if names:
@@ -247,13 +393,14 @@ class MegatronTrainer:
             if self.dp_size > 1:
                 group = ps.get_data_parallel_group()
                 dist.all_reduce(stacked, group=group)
-                dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
             values = dict(zip(names, stacked.tolist()))
-        values.update(logprob_mismatch_max=float(mismatch_max), grad_norm=grad_norm,
-                      lr=float(self.optimizer.param_groups[0]["lr"]), tokens=norm["num_tokens"],
-                      seqs=norm["num_seqs"], step=float(self.step),
-                      skipped_step=0.0 if math.isfinite(grad_norm) else 1.0)
-        return values
+        if self.sizes.pipeline > 1:  # the losses ran on the last stage
+            from miles_agent.trainers.megatron import pipeline
+
+            values, mx = pipeline.object_from_last_stage((values, float(mx)))
+        return step_metrics(values, float(mx), grad_norms, trajs, n_minis, self.train_cfg.ppo_epochs,
+                            float(self.optimizer.param_groups[0]["lr"]), self.step)
 
     # -- weights out --------------------------------------------------------------------------------
     def _full_hf_state(self) -> dict[str, Tensor]:
