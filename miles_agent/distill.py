@@ -29,6 +29,8 @@ from miles_agent.errors import UserError
 from miles_agent.trainer import TrainBatch
 from miles_agent.types import Trajectory
 
+LOSS_MODE_TRAINERS = ("fsdp2", "megatron")  # trainers that add the distillation term to their loss
+
 
 async def score_responses(engine: Scorer, trajectories: list[Trajectory], temperature: float = 1.0
                           ) -> list[list[float]]:
@@ -95,8 +97,8 @@ def build_distiller(cfg: Config, env: Environment, tokenizer: Any, student: Any)
     if algo.distill_teacher is None:
         return None
     alg.check_mode(algo.distill_mode)
-    if algo.distill_mode == "loss" and cfg.train.backend != "fsdp2":
-        raise UserError(f"algo.distill_mode=loss is applied by the fsdp2 trainer, not train.backend="
+    if algo.distill_mode == "loss" and cfg.train.backend not in LOSS_MODE_TRAINERS:
+        raise UserError(f"algo.distill_mode=loss is applied by the fsdp2 and megatron trainers, not train.backend="
                         f"{cfg.train.backend!r}; use algo.distill_mode=reward (the same gradient at ratio 1)")
     if not isinstance(student, Scorer):
         raise UserError(f"rollout.engine={cfg.rollout.engine!r} cannot score tokens (no `score`), which "

@@ -184,6 +184,6 @@ def test_loss_mode_needs_a_trainer_that_applies_it():
     from miles_agent.config import load_config
     from miles_agent.distill import build_distiller
 
-    cfg = load_config("tiny-distill", {"train.backend": "megatron", "algo.distill_mode": "loss"})
-    with pytest.raises(UserError, match="distill_mode=loss is applied by the fsdp2 trainer.*distill_mode=reward"):
+    cfg = load_config("tiny-distill", {"train.backend": "my-plugin-trainer", "algo.distill_mode": "loss"})
+    with pytest.raises(UserError, match="distill_mode=loss is applied by the fsdp2 and megatron.*distill_mode=reward"):
         build_distiller(cfg, None, None, None)
