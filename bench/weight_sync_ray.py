@@ -4,10 +4,10 @@ same bytes between two Ray actors, in the same run.
 The real stack: one FSDP2 trainer rank as a Ray actor (`RayTrainerGroup`) and one embedded engine actor
 under the `EngineSupervisor`, with a Qwen3-shaped model (random init). Per repeat, interleaved:
 
-- object store (``sync.transport`` unset): the driver gathers rank 0's weights, ``ray.put``s them, the
-  engine reads and loads them -- against the cheapest raw hop: one actor ``ray.put``s the bytes as one
-  flat numpy array (one memcpy into the store), another ``ray.get``s it (zero-copy) and copies it into a
-  preallocated buffer. The real path makes one more hop (through the driver), so expect under 1.
+- object store (``sync.transport`` unset): rank 0 gathers, packs and ``ray.put``s the weights, the engine
+  reads and loads them -- against the cheapest raw hop: one actor ``ray.put``s the bytes as one flat numpy
+  array (one memcpy into the store), another ``ray.get``s it (zero-copy) and copies it into a
+  preallocated buffer. The real path also packs the tensors (one more memcpy) and pauses the engine.
 - rank 0 broadcast (``sync.transport=distributed``, miles_agent/runtime/rank0_sync.py): rank 0 gathers
   and broadcasts over gloo to the engine actor -- against raw gloo broadcasts of the same tensors from
   one actor into preallocated buffers of another. Goal >= 0.8.
@@ -118,7 +118,7 @@ def main() -> None:
     sup = EngineSupervisor(lambda i: cls.options(num_cpus=1).remote(model_ref, tok_ref, 8, "cpu"), 1,
                            health_check_interval_s=0)
     options = dict(backend="gloo", master_address="127.0.0.1", bucket_bytes=64 << 20, check=False, name_map=identity)
-    object_store = ObjectStoreTransport(sup)
+    object_store = ObjectStoreTransport(sup, group)
     rank0 = RankZeroTransport(group, sup, options)
     checked = RankZeroTransport(group, sup, {**options, "check": True})
     peers = [ray.remote(num_cpus=1)(RawPeer).remote(shapes) for _ in range(2)]
@@ -153,12 +153,14 @@ def main() -> None:
         raw_gloo()
         ratios: dict[str, list[float]] = {"object store / raw ray.put+get": [], "rank 0 broadcast / raw gloo": []}
         for _ in range(repeats):
-            base = timed(raw_object_store)
-            ratios["object store / raw ray.put+get"].append(base / await push(object_store))
-            base = timed(raw_gloo)
-            ratios["rank 0 broadcast / raw gloo"].append(base / await push(rank0))
+            for label, raw, transport in (("object store / raw ray.put+get", raw_object_store, object_store),
+                                          ("rank 0 broadcast / raw gloo", raw_gloo, rank0)):
+                base, ours = timed(raw), await push(transport)
+                ratios[label].append(base / ours)
+                seconds.setdefault(label, []).append((base, ours))
         return ratios
 
+    seconds: dict[str, list[tuple[float, float]]] = {}  # per label: (raw, ours) per repeat
     try:
         ratios = asyncio.run(run())
     finally:
@@ -169,9 +171,11 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     result = {"bytes": nbytes, "repeats": repeats, "ratios": {}}
     for label, r in ratios.items():
-        s = {"min": min(r), "median": statistics.median(r), "max": max(r), "all": r}
+        s = {"min": min(r), "median": statistics.median(r), "max": max(r), "all": r, "seconds_raw_ours": seconds[label]}
         result["ratios"][label] = s
-        print(f"{label}: median {s['median']:.2f}  (min {s['min']:.2f}, max {s['max']:.2f})"
+        raw_s, ours_s = (statistics.median(x) for x in zip(*seconds[label]))
+        print(f"{label}: median {s['median']:.2f}  (min {s['min']:.2f}, max {s['max']:.2f}; "
+              f"{raw_s * 1e3:.0f} ms raw vs {ours_s * 1e3:.0f} ms)"
               + (f"  goal >= {GOAL}" if "gloo" in label else ""))
     print(json.dumps(result))
     if args.json:

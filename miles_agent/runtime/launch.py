@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,12 +116,18 @@ def build_engines(cfg: Config, model: Any, tokenizer: Any) -> list[Any]:
 
 
 class ObjectStoreTransport:
-    """`WeightTransport` to supervised engine actors: one ``ray.put`` of the full weights per version."""
+    """`WeightTransport` to supervised engine actors: one ``ray.put`` of the full weights per version.
 
-    def __init__(self, engines: Any) -> None:
-        self.engines = engines
+    With the Ray trainer group, rank 0 puts them in the store itself and the driver hands the engines
+    the reference (its lazy ``named_weights`` is never read); otherwise the driver packs what it is given."""
+
+    def __init__(self, engines: Any, trainer: Any = None) -> None:
+        self.engines, self.trainer = engines, trainer
 
     async def push(self, named_tensors: Any, version: int) -> dict[str, float]:
+        if hasattr(self.trainer, "stored_weights"):
+            ref, nbytes, buckets = await asyncio.to_thread(self.trainer.stored_weights)
+            return await self.engines.push_stored(ref, version, nbytes, buckets)
         return await self.engines.push_weights(named_tensors, version)
 
 
@@ -129,7 +136,7 @@ def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
     broadcasts to the engine actors itself (runtime/rank0_sync.py)."""
     sync = cfg.sync
     if sync.transport == "inprocess":
-        return ObjectStoreTransport(engines[0])
+        return ObjectStoreTransport(engines[0], trainer)
     if sync.transport != "distributed":
         raise UserError(f"cluster.mode=ray sends weights through Ray's object store (sync.transport unset) or "
                         f"from trainer rank 0 over a process group (sync.transport=distributed); "

@@ -2,8 +2,9 @@
 ``sync.transport=distributed``): NCCL on GPU, gloo on CPU, over SGLang's weight-update calls
 (``init_weights_update_group`` / ``update_weights_from_distributed``), as slime and miles do.
 
-The default Ray path (`launch.ObjectStoreTransport`) gathers the weights into the driver and ``ray.put``s
-them; here the driver never holds a byte of them. At each push it hands rank 0 the handles of the live
+The default Ray path (`launch.ObjectStoreTransport`) has rank 0 ``ray.put`` the gathered weights and
+every engine read them from the object store; here they go over a process group instead (NCCL between
+GPUs), and the driver never holds a byte of them either way. At each push it hands rank 0 the handles of the live
 engine actors; every rank gathers its full tensors (a collective) while rank 0 broadcasts them bucket by
 bucket to a weight-update group it forms with those engines -- and re-forms when the set changes (an
 engine was restarted) or a broadcast broke.
@@ -77,6 +78,7 @@ class Rank0Broadcaster:
         self._formed = 0
         self._loop = asyncio.new_event_loop()  # one loop for every push: HTTP sessions and threads are reused
         self._clients: dict[str, Any] = {}
+        self._staging: list[Any] = []  # host buffers of the host copy, reused from push to push
 
     def push(self, named_weights: Iterator[tuple[str, Any]], engines: list[Any], version: int,
              keep_host_copy: bool = True) -> tuple[dict[str, float], Any]:
@@ -103,7 +105,8 @@ class Rank0Broadcaster:
                 pass
         if not keep_host_copy:
             return stats, None
-        return stats, ray.put(pack_weights(sent))  # the host copy, before any optimizer step changes them
+        # the host copy, taken before any optimizer step changes the weights
+        return stats, ray.put(pack_weights(sent, self._staging))
 
     async def _broadcast(self, tensors: Iterator[tuple[str, Any]], engines: list[Any], version: int
                          ) -> dict[str, float]:

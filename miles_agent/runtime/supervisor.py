@@ -59,6 +59,7 @@ class EngineSupervisor:
         self._version = weight_version
         self._weights: list[Any] = []  # ObjectRefs of the current version's buckets: restarted engines load them
         self.stats = {"restarts": 0, "aborted_requests": 0}
+        self._staging: list[Any] = []  # host buffers reused by every pack of pushed weights
         self._fatal: RunAborted | None = None
         self._slots = [_Slot(i, actor=spawn(i)) for i in range(num_engines)]
         ray.get([s.actor.probe.remote() for s in self._slots], timeout=STARTUP_TIMEOUT_S)  # construction errors surface here
@@ -131,12 +132,16 @@ class EngineSupervisor:
         loads all of them before it takes requests."""
         import ray
 
-        self._bind()
-        assert self._lock is not None
         from miles_agent.runtime.packed_weights import pack_weights
 
-        packed = pack_weights(named_tensors)  # flat numpy buffers: one memcpy into the store, not a pickle
-        ref = ray.put(packed)
+        packed = pack_weights(named_tensors, self._staging)  # flat numpy buffers: one memcpy into the store
+        return await self.push_stored(ray.put(packed), version, packed.nbytes, len(packed.parts))
+
+    async def push_stored(self, ref: Any, version: int, nbytes: int, buckets: int) -> dict[str, float]:
+        """`push_weights` for weights already in the object store (``ref``: `PackedWeights`), e.g. put there
+        by trainer rank 0 itself, so the driver never copies them."""
+        self._bind()
+        assert self._lock is not None
         async with self._lock:
             if int(version) != self._version or not self._weights:
                 self._weights = []
@@ -144,7 +149,7 @@ class EngineSupervisor:
             self._version = int(version)
             live = [s for s in self._slots if s.ready]
             done = await asyncio.gather(*(self._sync_one(s, s.actor, ref, int(version)) for s in live))
-        return {"sync_bytes": float(packed.nbytes), "sync_buckets": float(len(packed.parts)),
+        return {"sync_bytes": float(nbytes), "sync_buckets": float(buckets),
                 "sync_engines": float(sum(d is not None for d in done)),
                 "engine_memory_resumed": float(sum(bool(d) for d in done)),
                 "engine_restarts": float(self.stats["restarts"]),

@@ -42,6 +42,7 @@ class TrainerActor:
         # calls between them, read back by `memory_log` (tests check the order; one clock per machine)
         self.events: deque[tuple[str, float, int]] = deque(maxlen=1000)
         self.broadcaster: Any = None  # weight sync from rank 0 (sync.transport=distributed), made on first use
+        self.staging: list[Any] = []  # host buffers reused by every pack of the full weights
 
     def address(self, loopback: bool) -> tuple[str, int]:
         """Rank 0 names the rendezvous: its node's address and a free port there."""
@@ -87,10 +88,18 @@ class TrainerActor:
                 for _ in self.trainer.named_weights():
                     pass
                 return None
-            return pack_weights(self.trainer.named_weights())
+            return pack_weights(self.trainer.named_weights(), self.staging)
         finally:
             self._note("gather")
             self._release()
+
+    def stored_weights(self) -> Any:
+        """`full_weights` left in the object store: rank 0 returns ``[ref, nbytes, buckets]`` (the ref
+        nested in a list, so the driver passes it on without fetching the bytes), the others None."""
+        import ray
+
+        packed = self.full_weights()
+        return None if packed is None else [ray.put(packed), packed.nbytes, len(packed.parts)]
 
     def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
         """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)
@@ -220,6 +229,12 @@ class RayTrainerGroup:
         from miles_agent.runtime.packed_weights import named_tensors
 
         yield from named_tensors(self._all([a.full_weights.remote() for a in self.actors])[0])
+
+    def stored_weights(self) -> tuple[Any, int, int]:
+        """(object ref of rank 0's `PackedWeights`, bytes, buckets): the weights put in the object store by
+        rank 0, never fetched by the driver."""
+        ref, nbytes, buckets = self._all([a.stored_weights.remote() for a in self.actors])[0]
+        return ref, nbytes, buckets
 
     def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
                           ) -> tuple[dict[str, float], Any]:
