@@ -94,7 +94,8 @@ class Rank0Broadcaster:
 
         def noting_what_is_sent() -> Iterator[tuple[str, Any]]:
             for name, t in named_weights:
-                sent.append((self.name_map(name), t))
+                if keep_host_copy:  # on the host at once: rank 0's device never holds every gathered tensor
+                    sent.append((self.name_map(name), t.detach().to("cpu")))
                 yield name, t
 
         tensors = noting_what_is_sent()
