@@ -9,10 +9,13 @@ engine actors; every rank gathers its full tensors (a collective) while rank 0 b
 bucket to a weight-update group it forms with those engines -- and re-forms when the set changes (an
 engine was restarted) or a broadcast broke.
 
-A restarted engine cannot join a broadcast that already happened, so rank 0 also leaves one host copy
-of each version in Ray's object store (one ``ray.put``; on GPU, one device-to-host copy per push); the
-`EngineSupervisor` loads it into replacements, exactly as on the default path. An engine that dies
-during a broadcast is replaced, and the push is retried with the engines still alive.
+No copy of the weights is kept for engines that restart: the `EngineSupervisor` asks rank 0 to send
+its weights to the replacement over a group of their own, which it does at once if no train step has
+changed them since the last push (the version is then exact); otherwise the replacement waits out of
+rotation and joins the next push (at most one train step later). Every call reaches all trainer ranks
+in the same order (`RayTrainerGroup` submits under a lock), so a resync from the event loop and a train
+step from its worker thread never cross inside a collective. An engine that dies during a broadcast
+is replaced, and the push is retried with the engines still alive.
 
 Colocated engines (``cluster.colocate``) share their trainer rank's GPU, and NCCL cannot connect two
 processes on one device: they keep the default path (`launch.build_transport` says so).
@@ -109,6 +112,27 @@ class Rank0Broadcaster:
         # the host copy, taken before any optimizer step changes the weights
         return stats, ray.put(pack_weights(sent, self._staging))
 
+    def send_once(self, named_weights: Iterator[tuple[str, Any]], engines: list[Any], version: int) -> None:
+        """Bring replaced engines to ``version`` over a group of their own, formed and left for this one
+        send (the next push forms the main group again with them in it). Reads ``named_weights`` to the end."""
+        from miles_agent.weight_sync.dist import DistributedTransport
+
+        self._formed += 1
+        transport = DistributedTransport([self._receiver(e) for e in engines], **self.options,
+                                         group_name=f"{DEFAULT_GROUP}-rank0-{self._formed}")
+
+        async def send() -> None:
+            try:
+                await transport.push(named_weights, version)
+            finally:
+                await _close(transport)
+
+        try:
+            self._loop.run_until_complete(send())
+        finally:
+            for _ in named_weights:
+                pass
+
     async def _broadcast(self, tensors: Iterator[tuple[str, Any]], engines: list[Any], version: int
                          ) -> dict[str, float]:
         from miles_agent.weight_sync.dist import DistributedTransport
@@ -132,17 +156,22 @@ class Rank0Broadcaster:
         return self._clients[engine]
 
     async def _leave(self) -> None:
-        from miles_agent.weight_sync.dist import destroy_group
 
         transport, self.transport, self._members = self.transport, None, []
-        if transport is None:
-            return
-        own = transport.group
-        try:
-            await transport.close()
-        except Exception:  # noqa: BLE001 - a dead member cannot leave; the survivors' side goes with the next group
-            if own is not None:
-                destroy_group(own)
+        if transport is not None:
+            await _close(transport)
+
+
+async def _close(transport: Any) -> None:
+    """Leave a weight-update group; a dead member cannot leave, so our side is destroyed regardless."""
+    from miles_agent.weight_sync.dist import destroy_group
+
+    own = transport.group
+    try:
+        await transport.close()
+    except Exception:  # noqa: BLE001 - the survivors' side goes with the next group
+        if own is not None:
+            destroy_group(own)
 
 
 def _key(engine: Any) -> str:
@@ -156,16 +185,20 @@ class RankZeroTransport:
 
     def __init__(self, trainer: Any, supervisor: Any, options: dict[str, Any]) -> None:
         self.trainer, self.supervisor, self.options = trainer, supervisor, options
+        supervisor.resync = self.resync  # replaced engines get their weights from rank 0 (module docstring)
 
     async def push(self, named_tensors: Any, version: int) -> dict[str, float]:
         # ``named_tensors`` is deliberately not read: the trainer group gathers lazily, so the driver
         # never pulls the weights; rank 0 sends them itself.
         async def send(actors: list[Any]) -> tuple[dict[str, float], list[Any]]:
-            stats, ref = await asyncio.to_thread(self.trainer.broadcast_weights, actors, int(version),
-                                                   self.options)
-            return stats, [ref]
+            stats, _ = await asyncio.to_thread(self.trainer.broadcast_weights, actors, int(version),
+                                               {**self.options, "keep_host_copy": False})
+            return stats, []
 
         return await self.supervisor.push_with(send, version)
+
+    async def resync(self, actor: Any) -> int | None:
+        return await asyncio.to_thread(self.trainer.resync, [actor], self.options)
 
 
 class SGLangRankZeroTransport:

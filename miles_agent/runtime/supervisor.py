@@ -45,6 +45,7 @@ class _Slot:
     inflight: int = 0
     last_steps: int = -1
     last_progress: float = 0.0
+    waiting: bool = False  # replaced and alive, but its weights come with the next push (see ``resync``)
 
 
 class EngineSupervisor:
@@ -60,6 +61,9 @@ class EngineSupervisor:
         self._weights: list[Any] = []  # ObjectRefs of the current version's buckets: restarted engines load them
         self.stats = {"restarts": 0, "aborted_requests": 0}
         self._staging: list[Any] = []  # host buffers reused by every pack of pushed weights
+        # Set by a transport that keeps no copy of the weights (rank 0's broadcast): brings a replaced
+        # engine to the current weights and returns their version, or None if it must wait for the next push.
+        self.resync: Callable[[Any], Awaitable[int | None]] | None = None
         self._fatal: RunAborted | None = None
         self._slots = [_Slot(i, actor=spawn(i)) for i in range(num_engines)]
         ray.get([s.actor.probe.remote() for s in self._slots], timeout=STARTUP_TIMEOUT_S)  # construction errors surface here
@@ -164,7 +168,7 @@ class EngineSupervisor:
         assert self._lock is not None
         async with self._lock:  # restarts wait, then load what this push left
             for attempt in range(attempts):
-                live = [s for s in self._slots if s.ready]
+                live = [s for s in self._slots if s.ready or s.waiting]
                 try:
                     stats, refs = await send([s.actor for s in live])
                     break
@@ -172,6 +176,9 @@ class EngineSupervisor:
                     if attempt == attempts - 1 or not await self._drop_dead(live):
                         raise  # not an engine failure (or too many): the run stops with the cause
             self._weights, self._version = list(refs), int(version)
+            for slot in live:
+                if slot.waiting and slot.actor is not None:
+                    slot.waiting, slot.ready = False, True
         return {**stats, "sync_engines": float(len(live)), "engine_restarts": float(self.stats["restarts"]),
                 "engine_aborted_requests": float(self.stats["aborted_requests"])}
 
@@ -269,12 +276,30 @@ class EngineSupervisor:
             try:
                 await asyncio.wait_for(actor.probe.remote(), STARTUP_TIMEOUT_S)
                 async with self._lock:  # a push in progress finishes first; then load what it pushed
+                    if self.resync is not None:
+                        await self._resync_from_trainer(slot, actor)
+                        return
                     for ref in self._weights:
                         await actor.update_weights.remote(ref, self._version)
                     slot.actor, slot.ready, slot.last_steps = actor, True, -1
                 return
             except (TimeoutError, *actor_failures()) as e:
                 dead, reason = actor, f"failed to start ({type(e).__name__})"
+
+    async def _resync_from_trainer(self, slot: _Slot, actor: Any) -> None:
+        """The replacement gets the weights from the trainer now, or joins the next push if the trainer
+        has trained since the last one (or the resync failed: the push then finds out whether it lives)."""
+        assert self.resync is not None
+        slot.actor, slot.last_steps = actor, -1
+        try:
+            version = await self.resync(actor)
+        except Exception as e:  # noqa: BLE001 - logged; the next push retries this engine
+            log.warning("engine %d: resync from the trainer failed (%s); it joins the next push", slot.index, e)
+            version = None
+        if version is not None and version == self._version:
+            slot.ready = True
+        else:
+            slot.waiting = True
 
     async def _watch(self) -> None:
         """Probe every live engine each interval; replace the ones that do not answer or do not move."""

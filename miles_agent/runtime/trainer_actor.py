@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ class TrainerActor:
         self.events: deque[tuple[str, float, int]] = deque(maxlen=1000)
         self.broadcaster: Any = None  # weight sync from rank 0 (sync.transport=distributed), made on first use
         self.staging: list[Any] = []  # host buffers reused by every pack of the full weights
+        self.pushed_version: int | None = None  # the weights are still this broadcast version (None: changed)
 
     def address(self, loopback: bool) -> tuple[str, int]:
         """Rank 0 names the rendezvous: its node's address and a free port there."""
@@ -71,6 +73,7 @@ class TrainerActor:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         moved = self._resident()
+        self.pushed_version = None
         metrics = self.trainer.train_step(batch)
         self._note("train_step")
         if moved:  # stays resident: the weight gather comes next
@@ -116,7 +119,27 @@ class TrainerActor:
                 from miles_agent.runtime.rank0_sync import Rank0Broadcaster
 
                 self.broadcaster = Rank0Broadcaster(**options)
-            return self.broadcaster.push(self.trainer.named_weights(), engines, version, keep_host_copy)
+            out = self.broadcaster.push(self.trainer.named_weights(), engines, version, keep_host_copy)
+            self.pushed_version = version
+            return out
+        finally:
+            self._note("gather")
+            self._release()
+
+    def resync(self, engines: list[Any], options: dict[str, Any]) -> int | None:
+        """A collective (when it sends): bring replaced ``engines`` to the weights last broadcast, if no train
+        step has changed them since; returns that version, or None (they wait for the next push)."""
+        version = self.pushed_version
+        if version is None:
+            return None
+        self._resident()
+        try:
+            if self.trainer.rank != 0:
+                for _ in self.trainer.named_weights():
+                    pass
+                return version
+            self.broadcaster.send_once(self.trainer.named_weights(), engines, version)
+            return version
         finally:
             self._note("gather")
             self._release()
@@ -129,6 +152,7 @@ class TrainerActor:
 
     def load_checkpoint(self, path: str) -> None:
         self._resident()
+        self.pushed_version = None
         self.trainer.load_checkpoint(Path(path))
         self._note("load_checkpoint")
         self._release()
@@ -191,11 +215,20 @@ class RayTrainerGroup:
         self.actors = [cls.options(**options(r)).remote() for r in range(n)]
         self.before_train = before_train
         self.rank = 0
+        self._submit = threading.Lock()
         master = self._all([self.actors[0].address.remote(loopback)])[0]
         model_ref, tok_ref = ray.put(model.to("cpu")), ray.put(tokenizer)
         self.pids = self._all([a.setup.remote(r, n, master, train_cfg.backend, model_ref, tok_ref, train_cfg,
                                               algo_cfg, temperature, device, extra or {}, offload)
                                    for r, a in enumerate(self.actors)])
+
+    def _on_ranks(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every rank and wait. Submitted under a lock: two driver threads (the step in
+        a worker thread, an engine resync on the event loop) must reach every rank in the same order, or
+        the ranks would enter different collectives."""
+        with self._submit:
+            refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return self._all(refs)
 
     def _all(self, refs: list[Any]) -> list[Any]:
         """Every rank's answer, in rank order. Results are taken as they come, so one dead rank ends
@@ -220,42 +253,47 @@ class RayTrainerGroup:
 
         if self.before_train is not None:
             self.before_train()
-        ref = ray.put(batch)
-        return self._all([a.train_step.remote(ref) for a in self.actors])[0]
+        return self._on_ranks("train_step", ray.put(batch))[0]
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """Lazy: the ranks gather (and, with offload, free their device) when the first tensor is read, so
         a transport that never reads them (rank 0 broadcasting itself) costs no gather here."""
         from miles_agent.runtime.packed_weights import named_tensors
 
-        yield from named_tensors(self._all([a.full_weights.remote() for a in self.actors])[0])
+        yield from named_tensors(self._on_ranks("full_weights")[0])
 
     def stored_weights(self) -> tuple[Any, int, int]:
         """(object ref of rank 0's `PackedWeights`, bytes, buckets): the weights put in the object store by
         rank 0, never fetched by the driver."""
-        ref, nbytes, buckets = self._all([a.stored_weights.remote() for a in self.actors])[0]
+        ref, nbytes, buckets = self._on_ranks("stored_weights")[0]
         return ref, nbytes, buckets
 
     def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
                           ) -> tuple[dict[str, float], Any]:
         """Rank 0 sends the weights to ``engine_actors`` itself (``options``: `Rank0Broadcaster`'s)."""
-        return self._all([a.broadcast_weights.remote(engine_actors, version, options) for a in self.actors])[0]
+        return self._on_ranks("broadcast_weights", engine_actors, version, options)[0]
+
+    def resync(self, engine_actors: list[Any], options: dict[str, Any]) -> int | None:
+        """Rank 0 sends its weights to replaced engines now, if they are still the last pushed version:
+        returns that version, or None when a train step has changed them since (the engines then join
+        the next push)."""
+        return self._on_ranks("resync", engine_actors, options)[0]
 
     def save_checkpoint(self, path: Path) -> None:
-        self._all([a.save_checkpoint.remote(str(path)) for a in self.actors])
+        self._on_ranks("save_checkpoint", str(path))
 
     def load_checkpoint(self, path: Path) -> None:
-        self._all([a.load_checkpoint.remote(str(path)) for a in self.actors])
+        self._on_ranks("load_checkpoint", str(path))
 
     def save_hf(self, path: Path) -> None:
-        self._all([a.save_hf.remote(str(path)) for a in self.actors])
+        self._on_ranks("save_hf", str(path))
 
     def where(self) -> list[dict[str, Any]]:
-        return self._all([a.where.remote() for a in self.actors])
+        return self._on_ranks("where")
 
     def memory_log(self) -> list[list[tuple[str, float, int]]]:
         """Per rank: (event, monotonic time, device bytes held after it) for offload, reload and the calls."""
-        return self._all([a.memory_log.remote() for a in self.actors])
+        return self._on_ranks("memory_log")
 
     def close(self) -> None:
         import ray

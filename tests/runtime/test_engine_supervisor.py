@@ -110,3 +110,42 @@ def test_colocated_engines_release_memory_for_training_and_take_it_back_at_the_w
         await sup.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_replaced_engine_waits_out_of_rotation_for_the_next_push_when_the_trainer_moved_on(ray_session, tiny):
+    """With a transport that keeps no copy of the weights (rank 0's broadcast), a replacement asks the
+    trainer to resync it; when a train step has changed the weights since the last push, it must not
+    serve the initial weights: it stays out of rotation and the next push includes it."""
+    sup = make_supervisor(ray_session, tiny, n=2, health_check_interval_s=0.5)
+    asked = []
+
+    async def trainer_moved_on(actor):
+        asked.append(actor)
+        return None
+
+    sup.resync = trainer_moved_on
+
+    async def main():
+        await sup.generate(PROMPT, GREEDY)  # binds the supervisor to this loop (its health monitor starts)
+        dead = sup._slots[1].actor
+        ray_session.kill(dead)
+        while not sup._slots[1].waiting:
+            await asyncio.sleep(0.1)
+        assert asked == [sup._slots[1].actor] and not sup._slots[1].ready
+        for _ in range(4):  # only engine 0 serves meanwhile
+            assert (await sup.generate(PROMPT, GREEDY)).finish_reason is not FinishReason.ABORT
+        assert (await sup._slots[1].actor.probe.remote())["steps"] == 0
+        sent_to = []
+
+        async def send(actors):
+            sent_to.append(actors)
+            await asyncio.gather(*(a.update_weights.remote(perturbed(tiny[0], 0.1), 1) for a in actors))
+            return {"sync_bytes": 1.0}, []
+
+        await sup.push_with(send, version=1)
+        assert sent_to == [[sup._slots[0].actor, sup._slots[1].actor]] and sup._slots[1].ready
+        assert not sup._slots[1].waiting and sup.weight_version == 1
+        assert (await sup._slots[1].actor.probe.remote())["weight_version"] == 1
+        await sup.shutdown()
+
+    asyncio.run(main())

@@ -1,6 +1,7 @@
 """Weight sync under Ray from trainer rank 0 straight to the engine actors (sync.transport=distributed):
 the driver never gathers the weights, every engine ends with the trainer's exact weights (checksums,
-every push), and an engine killed between pushes comes back and joins the re-formed group."""
+every push), an engine killed while the trainer steps comes back and joins the re-formed group, and
+one killed after a push gets that push's weights from rank 0 at once."""
 
 from __future__ import annotations
 
@@ -46,7 +47,15 @@ def test_rank0_broadcasts_checked_weights_and_a_replaced_engine_rejoins(ray_sess
             await asyncio.sleep(0.2)
         replaced = await sup._slots[1].actor.probe.remote()
         # one more push: the group is formed again with both engines, and both pass the checksum check
-        return records, replaced, await run.transport.push(iter(()), version=4)
+        extra = await run.transport.push(iter(()), version=4)
+        # killed with no train step since that push: rank 0 sends the replacement version 4 at once
+        first = sup._slots[0].actor
+        ray_session.kill(first)
+        while sup._slots[0].actor is first or not sup._slots[0].ready:
+            await asyncio.sleep(0.2)
+        sums = [await s.actor.check_weights.remote() for s in sup._slots]
+        assert sums[0] == sums[1]  # the replacement holds exactly the weights the survivor was pushed
+        return records, replaced, extra
 
     try:
         records, replaced, extra = asyncio.run(train_then_rejoin())
