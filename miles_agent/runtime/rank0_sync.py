@@ -155,6 +155,11 @@ class Rank0Broadcaster:
             self._clients[engine] = SGLangEngine(engine, control_timeout_s=self.control_timeout_s)
         return self._clients[engine]
 
+    def close(self) -> None:
+        """Leave the weight-update group (best effort) and stop the loop."""
+        self._loop.run_until_complete(self._leave())
+        self._loop.close()
+
     async def _leave(self) -> None:
 
         transport, self.transport, self._members = self.transport, None, []

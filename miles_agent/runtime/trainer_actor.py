@@ -43,6 +43,7 @@ class TrainerActor:
         # calls between them, read back by `memory_log` (tests check the order; one clock per machine)
         self.events: deque[tuple[str, float, int]] = deque(maxlen=1000)
         self.broadcaster: Any = None  # weight sync from rank 0 (sync.transport=distributed), made on first use
+        self.broadcaster_options: dict[str, Any] = {}
         self.staging: list[Any] = []  # host buffers reused by every pack of the full weights
         self.pushed_version: int | None = None  # the weights are still this broadcast version (None: changed)
 
@@ -115,10 +116,12 @@ class TrainerActor:
                 return None
             options = dict(options)
             keep_host_copy = options.pop("keep_host_copy", True)
-            if self.broadcaster is None:
+            if self.broadcaster is None or self.broadcaster_options != options:
                 from miles_agent.runtime.rank0_sync import Rank0Broadcaster
 
-                self.broadcaster = Rank0Broadcaster(**options)
+                if self.broadcaster is not None:
+                    self.broadcaster.close()
+                self.broadcaster, self.broadcaster_options = Rank0Broadcaster(**options), options
             out = self.broadcaster.push(self.trainer.named_weights(), engines, version, keep_host_copy)
             self.pushed_version = version
             return out
