@@ -56,7 +56,8 @@ def test_a_killed_engine_aborts_its_requests_and_comes_back_with_current_weights
         assert outs[0] == outs[1] and outs[0] != before.output_ids  # both engines serve version 3
         long = SamplingParams(max_new_tokens=2000, temperature=1.0)
         inflight = [asyncio.ensure_future(sup.generate(PROMPT, long)) for _ in range(6)]
-        await asyncio.sleep(0.5)
+        while sup._slots[0].inflight == 0:  # kill it while it holds requests (not after they finished)
+            await asyncio.sleep(0.01)
         victim = sup._slots[0].actor
         ray_session.kill(victim)
         results = await asyncio.gather(*inflight)
