@@ -143,8 +143,11 @@ def main() -> None:
             nonlocal version
             version += 1
             t = time.perf_counter()
-            await transport.push(group.named_weights(), version)
-            return time.perf_counter() - t
+            stats = await transport.push(group.named_weights(), version)
+            elapsed = time.perf_counter() - t
+            if stats.get("sync_engines") != 1 or not stats.get("sync_bytes"):
+                raise SystemExit(f"a push did not reach the engine: {stats}")
+            return elapsed
 
         first = await checked.push(None, 1)  # rank 0 broadcast with checksums compared: must pass
         assert first["sync_checked_tensors"] > 0
