@@ -105,7 +105,6 @@ def main() -> None:
     from miles_agent.runtime.rank0_sync import RankZeroTransport
     from miles_agent.runtime.supervisor import EngineSupervisor
     from miles_agent.runtime.trainer_actor import RayTrainerGroup
-    from miles_agent.weight_sync.core import identity
 
     ray.init(address="local", include_dashboard=False, num_cpus=8, log_to_driver=False)
     model, tok = build_model(hidden, layers)
@@ -117,7 +116,7 @@ def main() -> None:
     model_ref, tok_ref = ray.put(model), ray.put(tok)
     sup = EngineSupervisor(lambda i: cls.options(num_cpus=1).remote(model_ref, tok_ref, 8, "cpu"), 1,
                            health_check_interval_s=0)
-    options = dict(backend="gloo", master_address="127.0.0.1", bucket_bytes=64 << 20, check=False, name_map=identity)
+    options = dict(backend="gloo", master_address="127.0.0.1", bucket_bytes=64 << 20, check=False)
     object_store = ObjectStoreTransport(sup, group)
     rank0 = RankZeroTransport(group, sup, options)
     checked = RankZeroTransport(group, sup, {**options, "check": True})

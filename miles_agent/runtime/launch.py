@@ -152,8 +152,6 @@ def build_transport(cfg: Config, trainer: Any, engines: list[Any]) -> Any:
 
 def rank0_options(cfg: Config) -> dict[str, Any]:
     """`Rank0Broadcaster`'s arguments from the ``sync`` section (checked here, in the driver)."""
-    from miles_agent.weight_sync.core import prefix_map
-
     sync = cfg.sync
     if sync.bucket_mb < 1:
         raise UserError(f"sync.bucket_mb must be >= 1, got {sync.bucket_mb}")
@@ -162,7 +160,7 @@ def rank0_options(cfg: Config) -> dict[str, Any]:
         raise UserError(f"sync.backend must be gloo, nccl or auto, got {sync.backend!r}")
     return dict(backend=backend, master_address=_rank0_address(sync.master_address, session(cfg).loopback),
                 bucket_bytes=sync.bucket_mb << 20, check=sync.check,
-                name_map=prefix_map(sync.strip_prefix, sync.add_prefix),
+                strip_prefix=sync.strip_prefix, add_prefix=sync.add_prefix,
                 control_timeout_s=cfg.sglang.control_timeout_s)
 
 

@@ -27,7 +27,6 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
-from miles_agent.weight_sync.core import NameMap
 from miles_agent.weight_sync.receiver import DEFAULT_GROUP
 
 
@@ -67,50 +66,33 @@ class Rank0Broadcaster:
     """Held by trainer rank 0: the weight-update group with the current engine actors, and the push."""
 
     def __init__(self, *, backend: str, master_address: str, bucket_bytes: int, check: bool,
-                 name_map: NameMap, control_timeout_s: float = 600.0) -> None:
+                 strip_prefix: str = "", add_prefix: str = "", control_timeout_s: float = 600.0) -> None:
+        # Plain values only (no name-map function): the trainer actor compares the options of each push
+        # with the last ones to know whether to rebuild this broadcaster.
+        from miles_agent.weight_sync.core import prefix_map
+
         if not master_address:  # a multi-node cluster: the engines meet rank 0 on its node's address
             import ray
 
             master_address = ray.util.get_node_ip_address()
         self.options = dict(backend=backend, master_address=master_address, bucket_bytes=bucket_bytes,
-                            check=check, name_map=name_map)
-        self.name_map = name_map
+                            check=check, name_map=prefix_map(strip_prefix, add_prefix))
         self.control_timeout_s = control_timeout_s
         self.transport: Any = None
         self._members: list[str] = []
         self._formed = 0
         self._loop = asyncio.new_event_loop()  # one loop for every push: HTTP sessions and threads are reused
         self._clients: dict[str, Any] = {}
-        self._staging: list[Any] = []  # host buffers of the host copy, reused from push to push
 
-    def push(self, named_weights: Iterator[tuple[str, Any]], engines: list[Any], version: int,
-             keep_host_copy: bool = True) -> tuple[dict[str, float], Any]:
+    def push(self, named_weights: Iterator[tuple[str, Any]], engines: list[Any], version: int) -> dict[str, float]:
         """Broadcast ``named_weights`` to ``engines`` (engine actor handles, or SGLang server URLs) as
-        ``version``; returns the stats and the object ref of the host copy (None without one).
-        ``named_weights`` is a collective: it is always read to the end, even when the broadcast fails, so
-        the other trainer ranks are never left waiting in a gather."""
-        import ray
-
-        from miles_agent.runtime.packed_weights import pack_weights
-
-        sent: list[tuple[str, Any]] = []
-
-        def noting_what_is_sent() -> Iterator[tuple[str, Any]]:
-            for name, t in named_weights:
-                if keep_host_copy:  # on the host at once: rank 0's device never holds every gathered tensor
-                    sent.append((self.name_map(name), t.detach().to("cpu")))
-                yield name, t
-
-        tensors = noting_what_is_sent()
+        ``version``; returns the stats. ``named_weights`` is a collective: it is always read to the end,
+        even when the broadcast fails, so the other trainer ranks are never left waiting in a gather."""
         try:
-            stats = self._loop.run_until_complete(self._broadcast(tensors, engines, version)) if engines else {}
+            return self._loop.run_until_complete(self._broadcast(named_weights, engines, version)) if engines else {}
         finally:
-            for _ in tensors:  # drain: the rest of the gather still has to happen on every rank
+            for _ in named_weights:  # drain: the rest of the gather still has to happen on every rank
                 pass
-        if not keep_host_copy:
-            return stats, None
-        # the host copy, taken before any optimizer step changes the weights
-        return stats, ray.put(pack_weights(sent, self._staging))
 
     def send_once(self, named_weights: Iterator[tuple[str, Any]], engines: list[Any], version: int) -> None:
         """Bring replaced engines to ``version`` over a group of their own, formed and left for this one
@@ -196,9 +178,7 @@ class RankZeroTransport:
         # ``named_tensors`` is deliberately not read: the trainer group gathers lazily, so the driver
         # never pulls the weights; rank 0 sends them itself.
         async def send(actors: list[Any]) -> tuple[dict[str, float], list[Any]]:
-            stats, _ = await asyncio.to_thread(self.trainer.broadcast_weights, actors, int(version),
-                                               {**self.options, "keep_host_copy": False})
-            return stats, []
+            return await asyncio.to_thread(self.trainer.broadcast_weights, actors, int(version), self.options), []
 
         return await self.supervisor.push_with(send, version)
 
@@ -209,7 +189,7 @@ class RankZeroTransport:
 class SGLangRankZeroTransport:
     """The same path to SGLang servers launched under Ray (disaggregated): rank 0 reaches each server's
     weight-update endpoints over HTTP and broadcasts to them. A restarted server reloads its launch
-    checkpoint, so no host copy is kept; the next push brings it to the current version."""
+    checkpoint; the next push brings it to the current version."""
 
     kind = "distributed-from-rank-0"
 
@@ -217,6 +197,5 @@ class SGLangRankZeroTransport:
         self.trainer, self.urls, self.options = trainer, list(urls), options
 
     async def push(self, named_tensors: Any, version: int) -> dict[str, float]:
-        stats, _ = await asyncio.to_thread(self.trainer.broadcast_weights, self.urls, int(version),
-                                           {**self.options, "keep_host_copy": False})
+        stats = await asyncio.to_thread(self.trainer.broadcast_weights, self.urls, int(version), self.options)
         return {**stats, "sync_engines": float(len(self.urls))}

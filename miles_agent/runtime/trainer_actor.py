@@ -107,22 +107,20 @@ class TrainerActor:
 
     def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
         """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)
-        and returns (stats, object ref of a host copy or None) -- see miles_agent.runtime.rank0_sync."""
+        and returns the stats -- see miles_agent.runtime.rank0_sync."""
         self._resident()
         try:
             if self.trainer.rank != 0:
                 for _ in self.trainer.named_weights():
                     pass
                 return None
-            options = dict(options)
-            keep_host_copy = options.pop("keep_host_copy", True)
             if self.broadcaster is None or self.broadcaster_options != options:
                 from miles_agent.runtime.rank0_sync import Rank0Broadcaster
 
                 if self.broadcaster is not None:
                     self.broadcaster.close()
                 self.broadcaster, self.broadcaster_options = Rank0Broadcaster(**options), options
-            out = self.broadcaster.push(self.trainer.named_weights(), engines, version, keep_host_copy)
+            out = self.broadcaster.push(self.trainer.named_weights(), engines, version)
             self.pushed_version = version
             return out
         finally:
@@ -272,7 +270,7 @@ class RayTrainerGroup:
         return ref, nbytes, buckets
 
     def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
-                          ) -> tuple[dict[str, float], Any]:
+                          ) -> dict[str, float]:
         """Rank 0 sends the weights to ``engine_actors`` itself (``options``: `Rank0Broadcaster`'s)."""
         return self._on_ranks("broadcast_weights", engine_actors, version, options)[0]
 
