@@ -40,14 +40,9 @@ from miles_agent.errors import UserError
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers import checkpoint as ckpt
 from miles_agent.trainers import routing_replay
-from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
+from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches
 from miles_agent.trainers.lr_schedule import lr_at
-from miles_agent.trainers.minibatch import (
-    normalizers,
-    split_mini_batches,
-    step_metrics,
-    to_grid,
-)
+from miles_agent.trainers.minibatch import plan_optimizer_steps, step_metrics, to_grid
 from miles_agent.trainers.offload import DeviceOffload
 from miles_agent.trainers.step_loss import micro_batch_loss
 from miles_agent.types import Trajectory
@@ -198,17 +193,7 @@ class FSDP2Trainer:
         micro-batches accumulate gradients of the loss normalized by that step's whole share, so the
         micro-batch split never changes the update. Metrics are means over the optimizer steps."""
         trajs, cfg = batch.trajectories, self.train_cfg
-        lengths = [len(t.tokens) for t in trajs]
-        minis = split_mini_batches([t.group_id for t in trajs], cfg.mini_batches)
-        steps = []  # per mini-batch: (its micro-batches, olds, refs, normalizers)
-        for mini in minis:
-            plan = [[mini[j] for j in mb] for mb in rank_plan([lengths[i] for i in mini], cfg.micro_batch_tokens,
-                                                                self.world_size, self.rank)]
-            mbs = self._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
-            olds = self._given_or_computed(mbs, batch.old_logprobs, None if self.algo.use_rollout_logprobs
-                                           else self.model)
-            refs = self._given_or_computed(mbs, batch.ref_logprobs, self.ref_model)
-            steps.append((mbs, olds, refs, normalizers(trajs, mini, self.algo.loss_agg)))
+        steps = plan_optimizer_steps(self, batch, self.world_size, self.rank)  # per mini-batch: mbs, olds, refs, norms
         self.model.train()
         sums: dict[str, Tensor] = {}
         grad_norms = []
@@ -226,7 +211,7 @@ class FSDP2Trainer:
                     if self.on_micro_batch is not None:
                         self.on_micro_batch(done, total)
                 grad_norms.append(self._clip_and_step())
-        return self._reduce_metrics(sums, grad_norms, len(minis), trajs)
+        return self._reduce_metrics(sums, grad_norms, len(steps), trajs)
 
     def _given_or_computed(self, mbs: Sequence[MicroBatch], rows: list[list[float]] | None,
                            model: nn.Module | None) -> list[Tensor | None]:

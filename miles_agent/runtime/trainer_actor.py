@@ -20,6 +20,7 @@ other than the train step offload again when they are done.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -86,16 +87,8 @@ class TrainerActor:
         Then the device goes back to the engines (they load these weights next)."""
         from miles_agent.runtime.packed_weights import pack_weights
 
-        self._resident()
-        try:
-            if self.trainer.rank != 0:
-                for _ in self.trainer.named_weights():
-                    pass
-                return None
-            return pack_weights(self.trainer.named_weights(), self.staging)
-        finally:
-            self._note("gather")
-            self._release()
+        with self._gathering() as rank0:
+            return pack_weights(self.trainer.named_weights(), self.staging) if rank0 else None
 
     def stored_weights(self) -> Any:
         """`full_weights` left in the object store: rank 0 returns ``[ref, nbytes, buckets]`` (the ref
@@ -108,11 +101,8 @@ class TrainerActor:
     def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
         """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)
         and returns the stats -- see miles_agent.runtime.rank0_sync."""
-        self._resident()
-        try:
-            if self.trainer.rank != 0:
-                for _ in self.trainer.named_weights():
-                    pass
+        with self._gathering() as rank0:
+            if not rank0:
                 return None
             if self.broadcaster is None or self.broadcaster_options != options:
                 from miles_agent.runtime.rank0_sync import Rank0Broadcaster
@@ -123,9 +113,6 @@ class TrainerActor:
             out = self.broadcaster.push(self.trainer.named_weights(), engines, version)
             self.pushed_version = version
             return out
-        finally:
-            self._note("gather")
-            self._release()
 
     def resync(self, engines: list[Any], options: dict[str, Any]) -> int | None:
         """A collective (when it sends): bring replaced ``engines`` to the weights last broadcast, if no train
@@ -133,17 +120,10 @@ class TrainerActor:
         version = self.pushed_version
         if version is None:
             return None
-        self._resident()
-        try:
-            if self.trainer.rank != 0:
-                for _ in self.trainer.named_weights():
-                    pass
-                return version
-            self.broadcaster.send_once(self.trainer.named_weights(), engines, version)
+        with self._gathering() as rank0:
+            if rank0:
+                self.broadcaster.send_once(self.trainer.named_weights(), engines, version)
             return version
-        finally:
-            self._note("gather")
-            self._release()
 
     def save_checkpoint(self, path: str) -> None:
         self._resident()
@@ -163,6 +143,21 @@ class TrainerActor:
         self.trainer.save_hf(Path(path))
         self._note("save_hf")
         self._release()
+
+    @contextlib.contextmanager
+    def _gathering(self) -> Iterator[bool]:
+        """Around a read of the full weights (a collective): the state made resident first, the device
+        given back after. Yields whether this is rank 0, which reads them; the other ranks have already
+        taken their part in the gather."""
+        self._resident()
+        try:
+            if self.trainer.rank != 0:
+                for _ in self.trainer.named_weights():
+                    pass
+            yield self.trainer.rank == 0
+        finally:
+            self._note("gather")
+            self._release()
 
     # -- offload (see the module docstring) ------------------------------------------------------------
     def _resident(self) -> dict[str, float] | None:

@@ -31,18 +31,13 @@ from miles_agent.atomic import replace_dir
 from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_agent.errors import UserError, require
 from miles_agent.trainer import TrainBatch
-from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
+from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches
 from miles_agent.trainers.fsdp2 import init_distributed
 from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.trainers.megatron import bridge
 from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded_vocab
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
-from miles_agent.trainers.minibatch import (
-    normalizers,
-    split_mini_batches,
-    step_metrics,
-    to_grid,
-)
+from miles_agent.trainers.minibatch import plan_optimizer_steps, step_metrics, to_grid
 from miles_agent.trainers.offload import DeviceOffload
 from miles_agent.trainers.step_loss import micro_batch_loss
 from miles_agent.types import Trajectory
@@ -245,17 +240,7 @@ class MegatronTrainer:
         trainer lays them out (``minibatch``): the old and reference logprobs are computed once, before the
         first step; each step's loss is normalized by its own share. Metrics are means over the steps."""
         trajs, cfg = batch.trajectories, self.train_cfg
-        lengths = [len(t.tokens) for t in trajs]
-        minis = split_mini_batches([t.group_id for t in trajs], cfg.mini_batches)
-        steps = []  # per mini-batch: (its micro-batches, olds, refs, normalizers)
-        for mini in minis:
-            plan = [[mini[j] for j in mb] for mb in rank_plan([lengths[i] for i in mini], cfg.micro_batch_tokens,
-                                                                self.dp_size, self.dp_rank)]
-            mbs = self._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
-            olds = self._given_or_computed(mbs, batch.old_logprobs, None if self.algo.use_rollout_logprobs
-                                           else self.model)
-            refs = self._given_or_computed(mbs, batch.ref_logprobs, self.ref_model)
-            steps.append((mbs, olds, refs, normalizers(trajs, mini, self.algo.loss_agg)))
+        steps = plan_optimizer_steps(self, batch, self.dp_size, self.dp_rank)  # per mini-batch: mbs, olds, refs, norms
         self.model.train()
         sums: dict[str, Tensor] = {}
         grad_norms = []
@@ -273,7 +258,7 @@ class MegatronTrainer:
                     if self.on_micro_batch is not None:
                         self.on_micro_batch(done, total)
                 grad_norms.append(self._clip_and_step())
-        return self._reduce_metrics(sums, grad_norms, len(minis), trajs)
+        return self._reduce_metrics(sums, grad_norms, len(steps), trajs)
 
     def _given_or_computed(self, mbs: Sequence[MicroBatch], rows: list[list[float]] | None,
                            model: torch.nn.Module | None) -> list[Tensor | None]:
