@@ -138,13 +138,7 @@ def _permuted(t: Tensor, perm: Tensor | None) -> Tensor:
 
 def hf_to_megatron(hf: Mapping[str, Tensor], spec: ArchSpec, vocab_size: int | None = None
                    ) -> dict[str, Tensor]:
-    expected = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if spec.tied_embeddings
-                                                                     else {"lm_head.weight"})
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        expected |= _attention_hf_names(p, spec) | arch_moe.mlp_hf_names(p, spec, i)
-    arch_moe.checked(hf, expected, spec, ARCH)
-    out = arch_moe.outer_to_megatron(hf, spec, vocab_size)
+    out = arch_moe.check_and_convert_outer(hf, spec, vocab_size, _attention_hf_names, ARCH)
     for i in range(spec.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         for h, m in _SIMPLE.items():

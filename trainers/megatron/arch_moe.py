@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -184,3 +184,17 @@ def checked(hf: Mapping[str, Tensor], expected: set[str], spec: ArchSpec, arch: 
                     "training neither uses nor updates them, and exported checkpoints do not contain them",
                     arch, len(skipped), spec.num_layers, spec.num_layers + spec.mtp_layers - 1,
                     spec.mtp_layers)
+
+
+def check_and_convert_outer(hf: Mapping[str, Tensor], spec: ArchSpec, vocab_size: int | None,
+                            attention_hf_names: Callable[[str, ArchSpec], set[str]], arch: str) -> dict[str, Tensor]:
+    """The start of every MoE architecture's ``hf_to_megatron``: check the checkpoint holds exactly the
+    expected tensors (attention names from ``attention_hf_names(prefix, spec)``, MLP names from here),
+    then convert the embeddings, final norm and output layer."""
+    expected = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if spec.tied_embeddings
+                                                                     else {"lm_head.weight"})
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        expected |= attention_hf_names(p, spec) | mlp_hf_names(p, spec, i)
+    checked(hf, expected, spec, arch)
+    return outer_to_megatron(hf, spec, vocab_size)
