@@ -9,6 +9,8 @@ Torch-free on purpose.
 
 from __future__ import annotations
 
+import posixpath
+import shlex
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -17,14 +19,18 @@ from miles_agent.errors import InfraError
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-command limits. Every backend enforces what it can and reports which limit ended a command."""
+    """Limits per command, and the storage quota of the whole sandbox. Every backend enforces what it
+    can and reports which limit ended a command (docs/sandboxes.md has each backend's table)."""
 
     wall_time_s: float = 30.0  # kills the whole process tree
     cpu_time_s: int = 60
-    memory_bytes: int = 1 << 30
+    memory_bytes: int = 1 << 30  # address space, per process
     max_processes: int = 256
     max_file_bytes: int = 256 << 20
     max_output_bytes: int = 1 << 20  # stdout and stderr, each; the rest is dropped and marked
+    max_open_files: int = 1024  # RLIMIT_NOFILE per process: x max_processes bounds the sandbox's files
+    disk_bytes: int = 1 << 30  # everything the agent can write (workspace, /tmp, home), together
+    disk_inodes: int = 131072  # files, folders and links in that storage
 
 
 @dataclass
@@ -52,6 +58,37 @@ class SandboxError(InfraError):
     """The sandbox itself failed (not the command inside it): the episode is retried, never scored 0."""
 
 
+VERIFIER_PYTHON_ENV = {"PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+@dataclass(frozen=True)
+class VerifierRun:
+    """A verifier to run on the state the agent left: files placed at absolute paths first (e.g. the
+    task's /tests), then ``command``, then the files it wrote into ``output_dir`` read back.
+
+    The backend stages the files where the agent cannot have interfered, gives the command a fresh
+    home and /tmp and Python without user site or a script/cwd entry on its import path
+    (`VERIFIER_PYTHON_ENV`), and clears ``output_dir`` so nothing the agent forged there survives."""
+
+    command: str
+    files: dict[str, bytes]  # absolute path -> content
+    output_dir: str = "/logs/verifier"
+    outputs: tuple[str, ...] = ()  # names in output_dir to read back (missing ones are left out)
+    timeout_s: float = 600.0
+    env: dict[str, str] = field(default_factory=dict)
+    max_output_file_bytes: int = 1 << 20
+
+
+@dataclass
+class VerifierResult:
+    """What the verifier did. ``setup_error`` set: it could not even start because of the state the agent
+    left (a full quota, a folder it locked): the agent's failure, to be scored 0 -- never retried."""
+
+    result: ExecResult | None
+    outputs: dict[str, bytes] = field(default_factory=dict)
+    setup_error: str | None = None
+
+
 class Sandbox(ABC):
     """One isolated workspace. Async so that many episodes share an event loop."""
 
@@ -72,6 +109,36 @@ class Sandbox(ABC):
     @abstractmethod
     async def write_file(self, path: str, content: bytes) -> None: ...
 
+    async def run_verifier(self, run: VerifierRun) -> VerifierResult:
+        """Run a verifier after the agent (see `VerifierRun`). This default works on backends whose file
+        API takes absolute paths (containers, cloud sandboxes), where the agent is root in its own
+        machine: its folders are removed and made afresh as root first, and a step that fails because
+        of what the agent left is a `setup_error`. A `SandboxError` (the backend itself failed) still
+        propagates. The local sandbox overrides it with staging from the host side."""
+        dirs = sorted({run.output_dir, *(posixpath.dirname(p) for p in run.files)})
+        roots = sorted({"/" + p.strip("/").split("/")[0] for p in [*run.files, run.output_dir]})
+        fresh = "/tmp/.miles-verifier"
+        setup = (f"rm -rf {' '.join(map(shlex.quote, [*roots, fresh]))} && "
+                 f"mkdir -p {' '.join(map(shlex.quote, [*dirs, fresh + '/home', fresh + '/tmp']))}")
+        prepared = await self.exec(setup, timeout_s=120)
+        if prepared.exit_code != 0:
+            return VerifierResult(None, setup_error=f"preparing {', '.join(roots)}: {_tail(prepared)}")
+        try:
+            for path, content in run.files.items():
+                await self.write_file(path, content)
+        except (PermissionError, IsADirectoryError, NotADirectoryError, FileNotFoundError) as e:
+            return VerifierResult(None, setup_error=f"staging the verifier's files: {e}")
+        env = {**VERIFIER_PYTHON_ENV, "HOME": fresh + "/home", "TMPDIR": fresh + "/tmp", **run.env}
+        result = await self.exec(run.command, timeout_s=run.timeout_s, env=env)
+        outputs = {}
+        for name in run.outputs:
+            try:
+                data = await self.read_file(posixpath.join(run.output_dir, name))
+            except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
+                continue
+            outputs[name] = data[:run.max_output_file_bytes]
+        return VerifierResult(result, outputs)
+
     @abstractmethod
     async def stop(self) -> None:
         """Kill everything still running and release the workspace. Safe to call twice."""
@@ -81,3 +148,7 @@ class Sandbox(ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _tail(result: ExecResult) -> str:
+    return f"exit {result.exit_code}: {(result.stderr or result.stdout).strip()[-300:]}"

@@ -3,19 +3,19 @@
 Bubblewrap gives each command its own user, mount, pid, network, ipc, uts and cgroup namespaces.
 The mount namespace holds only: /usr and the /bin, /lib* links read-only, an /etc staged from an
 allowlist of harmless host files (no shadow, gitconfig, pip.conf, npmrc, ssl/private) plus a
-synthesized passwd/group/hosts, fresh /proc and /dev, and three private per-episode folders bound
-read-write: /workspace, /tmp and /root (HOME). The host's /root, /home, /tmp and the project are
-simply absent. The network namespace has only its own loopback, so a service on the host's
-127.0.0.1 is unreachable.
+synthesized passwd/group/hosts, fresh /proc (its /proc/sys read-only) and /dev, and the per-episode
+folders of the sandbox's quota'd storage bound read-write: /workspace, /tmp and /root (HOME) while
+the agent acts; for the verifier also /tests and /logs, with a fresh /tmp and home. The host's
+/root, /home, /tmp and the project are simply absent. The network namespace has only its own
+loopback, so a service on the host's 127.0.0.1 is unreachable. bwrap's options reach it through a
+pipe (``--args``), so its command line inside shows no host path.
 
 What stops a fork bomb, in order: (1) a pids cgroup per command (v1, or v2 where ``pids`` is
 delegated to our cgroup): a hard kernel limit whose refusals are counted, after which the command is
 killed at once -- used whenever writable (here: root, cgroup v1). (2) RLIMIT_NPROC, set inside the
-user namespace, where the kernel counts it per namespace, i.e. per sandbox: it binds when the host
-user is not root, but host uid 0 is exempt from it (a root-run sandbox is uid 0 mapped to host root,
-without capabilities). (3) A watchdog that counts the namespace's processes every 50 ms and kills it
-past the limit -- the only guard for root without a writable cgroup, and a weak one: a fork bomb
-can reach thousands of processes before the watchdog (itself competing for CPU) fires.
+user namespace, where the kernel counts it per namespace, i.e. per sandbox; it binds because the
+sandbox's host uid is never root (see ``_local_identity``). (3) A watchdog that counts the namespace's processes every 50 ms and kills it
+past the limit -- a backstop only.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Host /etc entries a sandbox may see: loader config, alternatives (awk, editor ...), locale and CA
@@ -105,28 +106,36 @@ def _system_mounts(extra_ro_binds: tuple[str, ...]) -> list[str]:
 
 @dataclass(frozen=True)
 class Bwrap:
-    """A bwrap binary as probed here: whether it makes a user namespace, and the options it knows
-    (--disable-userns is 0.8+, so older ones run without it)."""
+    """A bwrap binary as probed here: the options it knows (--disable-userns is 0.8+, --size 0.6+)."""
 
     path: str
-    userns: bool = True
     options: frozenset[str] = frozenset()
 
 
-def bwrap_prefix(bwrap: Bwrap, fs_dir: str, extra_ro_binds: tuple[str, ...] = ()) -> list[str]:
-    """The per-sandbox part of the bwrap command line (everything but the status fd and the command)."""
-    args = [bwrap.path, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--hostname", "sandbox"]
-    if bwrap.userns:  # an explicit user namespace, and none nested inside (less kernel attack surface)
-        args += ["--unshare-user"] + (["--disable-userns"] if "--disable-userns" in bwrap.options else [])
+def bwrap_options(bwrap: Bwrap, binds: Sequence[tuple[str, str]], extra_ro_binds: tuple[str, ...] = ()) -> list[str]:
+    """The sandbox's bwrap options (without the binary, the status fd and the command). ``binds``:
+    (path in the storage namespace, path inside) pairs bound read-write, the first one the cwd.
+
+    uid 0 inside is the sandbox's own unprivileged host uid (see ``_local_identity``), never host
+    root; /proc/sys and /proc/sysrq-trigger are bound read-only on top of the fresh /proc all the
+    same, so no sysctl is writable whoever runs it."""
+    args = ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox",
+            "--unshare-user", "--uid", "0", "--gid", "0"]
+    if "--disable-userns" in bwrap.options:  # no user namespace nested inside (less kernel attack surface)
+        args.append("--disable-userns")
     args += _system_mounts(extra_ro_binds) + ["--ro-bind", staged_etc(), "/etc"]
-    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+             "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger", "--dev", "/dev"]
     args += (["--size", str(SHM_BYTES)] if "--size" in bwrap.options else []) + ["--tmpfs", "/dev/shm"]
-    args += ["--bind", os.path.join(fs_dir, "workspace"), INSIDE_WORKSPACE,
-             "--bind", os.path.join(fs_dir, "tmp"), "/tmp",
-             "--bind", os.path.join(fs_dir, "root"), "/root",
-             "--chdir", INSIDE_WORKSPACE]
-    return args
+    for source, inside in binds:
+        args += ["--bind", source, inside]
+    return args + ["--chdir", binds[0][1]]
+
+
+def args_blob(options: Sequence[str]) -> bytes:
+    """bwrap's ``--args FD`` format: NUL-terminated arguments. Passing them through a pipe keeps the
+    host paths out of /proc/1/cmdline inside the sandbox."""
+    return b"".join(os.fsencode(a) + b"\0" for a in options)
 
 
 _probe_cache: dict[str, Bwrap] = {}
@@ -139,30 +148,27 @@ class BwrapTooOld(RuntimeError):
 async def _run(argv: list[str]) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"})
+        stderr=asyncio.subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"}, cwd="/")
     out, _ = await proc.communicate()
     return proc.returncode or 0, out.decode(errors="replace").strip()
 
 
-async def probe_bwrap(path: str, fs_dir: str) -> Bwrap:
-    """Check once per bwrap binary that it can build our sandbox, with a user namespace if possible
-    (without one only where bwrap runs as root on a kernel that has none). RuntimeError with bwrap's
-    own words when it cannot, or when it is too old to report its command's status (< 0.5)."""
+async def probe_bwrap(path: str, launch: Sequence[str], binds: Sequence[tuple[str, str]]) -> Bwrap:
+    """Check once per bwrap binary that it can build our sandbox (``launch``: the prefix that enters
+    the sandbox's identity and storage). RuntimeError with bwrap's own words when it cannot, or when
+    it is too old to report its command's status (< 0.5)."""
     if path in _probe_cache:
         return _probe_cache[path]
     _, usage = await _run([path, "--help"])
     options = frozenset(re.findall(r"--[a-z][a-z0-9-]*", usage))
     if "--json-status-fd" not in options:
         raise BwrapTooOld(f"{path} is too old (no --json-status-fd; bubblewrap 0.5 or newer is needed)")
-    errors = []
-    for userns in (True, False):
-        bwrap = Bwrap(path, userns, options)
-        code, out = await _run(bwrap_prefix(bwrap, fs_dir) + ["--", "/bin/sh", "-c", "exit 0"])
-        if code == 0:
-            _probe_cache[path] = bwrap
-            return bwrap
-        errors.append(out or f"exit {code}")
-    raise RuntimeError("; ".join(dict.fromkeys(errors)))
+    bwrap = Bwrap(path, options)
+    code, out = await _run([*launch, path, *bwrap_options(bwrap, binds), "--", "/bin/sh", "-c", "exit 0"])
+    if code != 0:
+        raise RuntimeError(out or f"exit {code}")
+    _probe_cache[path] = bwrap
+    return bwrap
 
 
 # -- pids cgroup ----------------------------------------------------------------------------------

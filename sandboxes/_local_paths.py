@@ -6,7 +6,9 @@ sandbox itself would see it: with ``openat2(RESOLVE_IN_ROOT)`` against the sandb
 root (``<sandbox>/fs``, which holds ``workspace/``, ``tmp/`` and ``root/``), so an absolute or ``..``
 symlink can never climb out, and the opened file's real path must then lie inside the workspace.
 Resolution happens in the kernel, so a symlink swapped concurrently cannot win a race either.
-Kernels older than 5.6 have no openat2; there a realpath check is used (documented race).
+Kernels older than 5.6 have no openat2; there the path is opened with O_PATH, checked, then reopened
+(documented race). ``root`` is the folder as the kernel names it (``readlink /proc/self/fd/N``): the
+sandbox's storage lives in its own mount namespace, reached through the holder's ``/proc/PID/root``.
 """
 
 from __future__ import annotations
@@ -64,15 +66,22 @@ def _openat2(root_fd: int, path: str, flags: int, mode: int = 0) -> int:
     return int(fd)
 
 
-def _open_fallback(root: str, path: str, flags: int, mode: int = 0) -> int:
-    """Pre-5.6 kernels: resolve on the host, then refuse anything whose real path left ``root``."""
-    real = os.path.realpath(os.path.join(root, path))
-    if real != root and not real.startswith(root + "/"):
-        raise PermissionError(f"path {path!r} resolves outside the sandbox")
-    return os.open(real, flags | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+def _open_fallback(root: str, root_fd: int, path: str, flags: int, mode: int, top: str) -> int:
+    """Pre-5.6 kernels: resolve relative to the root fd with O_PATH (no side effects), check where it
+    landed, and only then open it with the real flags (documented race)."""
+    if path.startswith("/"):
+        raise PermissionError(f"path {path!r} is absolute")
+    path_fd = os.open(path, os.O_PATH | os.O_CLOEXEC, dir_fd=root_fd)
+    _check_inside(path_fd, os.path.join(root, top), path)
+    if flags & os.O_PATH:
+        return path_fd
+    try:
+        return os.open(f"/proc/self/fd/{path_fd}", (flags & ~os.O_CREAT) | os.O_CLOEXEC, mode)
+    finally:
+        os.close(path_fd)
 
 
-def _open_in_root(root: str, root_fd: int, path: str, flags: int, mode: int = 0) -> int:
+def _open_in_root(root: str, root_fd: int, path: str, flags: int, mode: int, top: str) -> int:
     global _have_openat2
     if _have_openat2 is not False:
         try:
@@ -83,7 +92,7 @@ def _open_in_root(root: str, root_fd: int, path: str, flags: int, mode: int = 0)
             if e.errno not in (errno.ENOSYS, errno.EPERM) or _have_openat2:
                 raise
             _have_openat2 = False  # no openat2 (or a seccomp filter forbids it)
-    return _open_fallback(root, path, flags, mode)
+    return _open_fallback(root, root_fd, path, flags, mode, top)
 
 
 def _check_inside(fd: int, workspace: str, path: str) -> None:
@@ -93,10 +102,10 @@ def _check_inside(fd: int, workspace: str, path: str) -> None:
         raise PermissionError(f"path {path!r} leads outside the sandbox workspace (a symlink?)")
 
 
-def open_in_workspace(root: str, root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
-    """An fd for workspace-relative ``rel``, resolved as the sandbox sees it, proven inside the workspace."""
-    fd = _open_in_root(root, root_fd, posixpath.join("workspace", rel), flags, mode)
-    _check_inside(fd, os.path.join(root, "workspace"), rel)
+def open_in_workspace(root: str, root_fd: int, rel: str, flags: int, mode: int = 0, *, top: str = "workspace") -> int:
+    """An fd for ``rel`` under ``root/top``, resolved as the sandbox sees it, proven inside ``top``."""
+    fd = _open_in_root(root, root_fd, posixpath.join(top, rel), flags, mode, top)
+    _check_inside(fd, os.path.join(root, top), rel)
     return fd
 
 
@@ -110,12 +119,13 @@ def _require_regular(fd: int, rel: str) -> None:
         raise PermissionError(f"{rel!r} is not a regular file")
 
 
-def read_workspace_file(root: str, root_fd: int, rel: str) -> bytes:
-    fd = open_in_workspace(root, root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
+def read_workspace_file(root: str, root_fd: int, rel: str, *, top: str = "workspace", limit: int = -1) -> bytes:
+    """A regular file's bytes (at most ``limit``), resolved inside ``root/top`` as the sandbox sees it."""
+    fd = open_in_workspace(root, root_fd, rel, os.O_RDONLY | os.O_NONBLOCK, top=top)
     _require_regular(fd, rel)
     try:
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
+            return f.read(limit)
     finally:
         os.close(fd)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxLimits
 
 from ._local_isolation import PidsCgroup
+from ._local_spawn import SpawnedProcess, spawn
 
 WATCH_INTERVAL_S = 0.05
 READ_CHUNK = 1 << 16
@@ -115,7 +116,7 @@ class _PipeReader:
 class RunPlan:
     """Everything one command needs; built by LocalSandbox, executed by `Execution`."""
 
-    argv_for: Callable[[int | None], list[str]]  # status fd (bwrap's --json-status-fd) -> argv
+    argv_for: Callable[[int | None, int | None], list[str]]  # (status fd, --args fd) -> argv
     env: dict[str, str]
     cwd: str
     limits: SandboxLimits
@@ -123,18 +124,19 @@ class RunPlan:
     isolated: bool  # bwrap (a pid namespace) vs plain subprocess
     cgroup: PidsCgroup | None
     output_kill_bytes: int
+    bwrap_args: bytes | None = None  # bwrap's options, fed through ``--args FD``
 
 
-def rlimit_argv(prlimit: str, limits: SandboxLimits, *, nproc: bool) -> list[str]:
+def rlimit_argv(prlimit: str, limits: SandboxLimits, *, nproc: int | None) -> list[str]:
     """prlimit's arguments: CPU (SIGXCPU at the soft limit, SIGKILL a second later), memory, file size,
-    and with ``nproc`` the process count. Only inside a user namespace is RLIMIT_NPROC counted per
-    sandbox (the kernel keys the count by user namespace); outside it would count every process of
-    the host user, so plain mode leaves it unset. Host root is exempt from it either way."""
+    open files, and with ``nproc`` the process count. Only inside a user namespace is RLIMIT_NPROC
+    counted per sandbox (the kernel keys the count by user namespace); outside it would count every
+    process of the host user, so plain mode leaves it unset."""
     cpu = max(1, int(limits.cpu_time_s))
     argv = [prlimit, f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_bytes}",
-            f"--fsize={limits.max_file_bytes}", "--core=0"]
-    if nproc:  # +1: the namespace init (bwrap) runs as the same user in the same namespace
-        argv.append(f"--nproc={limits.max_processes + 1}")
+            f"--fsize={limits.max_file_bytes}", f"--nofile={limits.max_open_files}", "--core=0"]
+    if nproc is not None:
+        argv.append(f"--nproc={nproc}")
     return [*argv, "--"]
 
 
@@ -144,7 +146,7 @@ class Execution:
     def __init__(self, plan: RunPlan) -> None:
         self.plan = plan
         self.reason: str | None = None  # the limit (or "stopped") that made us kill it
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: SpawnedProcess | None = None
         self._pidfd: int | None = None  # our child (the outer bwrap, or bash in plain mode)
         self._init_pid: int | None = None  # bwrap: the namespace init, as a host pid
         self._init_pidfd: int | None = None
@@ -198,28 +200,25 @@ class Execution:
     async def _spawn(self, out: CappedOutput, err: CappedOutput) -> list[_PipeReader]:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        status_w = None
+        status_w = args_r = None
         if self.plan.isolated:
             self._status_fd, status_w = os.pipe()
             os.set_blocking(self._status_fd, False)
+        if self.plan.bwrap_args is not None:
+            args_r = _pipe_with(self.plan.bwrap_args)
+        child_fds = tuple(fd for fd in (status_w, args_r) if fd is not None)
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.plan.argv_for(status_w), stdin=asyncio.subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-                env=self.plan.env, cwd=self.plan.cwd, pass_fds=() if status_w is None else (status_w,),
-                start_new_session=True)
+            self.proc = await spawn(self.plan.argv_for(status_w, args_r), stdout=out_w, stderr=err_w,
+                                    env=self.plan.env, cwd=self.plan.cwd, pass_fds=child_fds)
         except OSError as e:
             os.close(out_r)
             os.close(err_r)
             self._close_status()
             raise SandboxError(f"local sandbox: cannot start the command: {e}") from e
         finally:  # the child has its copies; ours would keep the pipes open forever
-            for fd in (out_w, err_w, status_w):
-                if fd is not None:
-                    os.close(fd)
-        try:
-            self._pidfd = os.pidfd_open(self.proc.pid)
-        except OSError:
-            self._pidfd = None  # kernel before 5.3: `kill` falls back to os.kill
+            for fd in (out_w, err_w, *child_fds):
+                os.close(fd)
+        self._pidfd = self.proc.pidfd  # None before Linux 5.3: `kill` falls back to os.kill
         if self._status_fd is not None:
             asyncio.get_running_loop().add_reader(self._status_fd, self._on_status)
         return [_PipeReader(out_r, out, lambda: self._check_output(out)),
@@ -314,9 +313,10 @@ class Execution:
             for reader in readers:
                 reader.close()
             self._close_status()
-            for fd in (self._pidfd, self._init_pidfd):
-                if fd is not None:
-                    os.close(fd)
+            if self._init_pidfd is not None:
+                os.close(self._init_pidfd)
+            if self.proc is not None:
+                self.proc.close()  # also closes the pidfd `kill` used
             self._pidfd = self._init_pidfd = None
 
     async def _await_teardown(self) -> None:
@@ -379,6 +379,19 @@ def _classify(code: int, stderr: str, cgroup: PidsCgroup | None) -> str | None:
     if any(p in stderr for p in MEMORY_PATTERNS):
         return "memory"
     return None
+
+
+def _pipe_with(data: bytes) -> int:
+    """A pipe's read end with ``data`` already in it (bwrap's options: a few KiB, under the pipe's
+    64 KiB buffer, so the write cannot block)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(write_fd, view):]
+    finally:
+        os.close(write_fd)
+    return read_fd
 
 
 def _count_session(sid: int) -> int:

@@ -1,32 +1,40 @@
 """The local sandbox: bubblewrap-isolated commands in a private per-episode workspace (the embedded default).
 
-Each episode gets a fresh folder ``<tmp>/miles-sandbox-<random>/`` owned by the sandbox, holding
-``fs/workspace`` (mounted at /workspace, the cwd), ``fs/tmp`` (/tmp) and ``fs/root`` (/root, HOME):
-private to the episode, kept across its exec calls (like one container: an agent's ``/tmp/notes``
-survives to its next command), deleted by `stop`. The folder is mode 0700, so nothing a command
-leaves there (a setuid file owned by root, say) is reachable by other users of the host.
+Each episode gets a fresh folder ``<tmp>/miles-sandbox-<random>/`` (mode 0700, owned by the sandbox's
+host uid) whose ``fs/`` is a quota'd tmpfs (``_local_storage``) holding ``workspace`` (mounted at
+/workspace, the cwd), ``tmp`` (/tmp) and ``root`` (/root, HOME): private to the episode, kept across
+its exec calls (like one container: an agent's ``/tmp/notes`` survives to its next command), freed by
+`stop`. Commands run as an unprivileged host uid of the sandbox's own, also when miles-agent runs as
+root (``_local_identity``), each with a fresh session keyring (``_local_spawn``).
 
 Every `exec` is its own ``bwrap`` (see ``_local_isolation``): no network, not even the host's
 loopback; no host home, /tmp, project or other workspaces; a fresh pid namespace that is torn down
 when the command returns, so background processes (``&``, nohup, setsid) never outlive their exec
 call. The environment is built from scratch (PATH/HOME/LANG + the spec's and the call's env); the
 trainer's own variables never reach the command. Limits per command: wall time (kills the whole
-pid namespace), CPU time, address space and file size (rlimits via ``prlimit``), processes (a pids
-cgroup, or a watchdog where none is writable), and output (head and tail kept, killed past a hard
-cap). ``ExecResult.limit_hit`` names the limit that ended a command where that can be told.
+pid namespace), CPU time, address space, file size and open files (rlimits via ``prlimit``),
+processes (a pids cgroup, else RLIMIT_NPROC counted per sandbox), and output (head and tail kept,
+killed past a hard cap); per sandbox: bytes and inodes of everything it can write.
+``ExecResult.limit_hit`` names the limit that ended a command where that can be told.
 
-Not enforced here: total disk use of the workspace (only the per-file size), total memory across
-processes (the address-space limit is per process) and CPU share; a container sandbox does those.
+`run_verifier` stages the verifier's files from the host side into a second tmpfs the agent never
+sees, and runs it with the agent's final workspace but a fresh home and /tmp.
+
+Not enforced here: total memory across processes (the address-space limit is per process) and CPU
+share; a container sandbox does those. docs/sandboxes.md has the threat model.
 
 ``LocalSandbox(isolation="none")`` is an explicit, logged, unisolated mode for machines without
-bubblewrap: a plain subprocess in the workspace with the same limits and timeouts.
+bubblewrap: a plain subprocess in the workspace with the same rlimits and timeouts, no quota and no
+verifier staging.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import posixpath
 import shutil
 import stat
 import tempfile
@@ -34,18 +42,31 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from miles_agent.sandbox import ExecResult, Sandbox, SandboxError, SandboxSpec
+from miles_agent.errors import UserError
+from miles_agent.sandbox import (
+    VERIFIER_PYTHON_ENV,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+    VerifierResult,
+    VerifierRun,
+)
 
 from . import _local_paths as paths
+from ._local_identity import HostIdentity, as_fs_user, claim_identity, find_setpriv, release_identity
 from ._local_isolation import (
     INSIDE_WORKSPACE,
     INSTALL_HINT,
+    Bwrap,
     BwrapTooOld,
-    bwrap_prefix,
+    args_blob,
+    bwrap_options,
     create_pids_cgroup,
     probe_bwrap,
 )
 from ._local_run import Execution, RunPlan, rlimit_argv
+from ._local_storage import Quota, SandboxStorage, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +74,10 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CGROUP_JOIN = 'echo $$ > "$0" && exec "$@"'  # sh: join the command's cgroup, then become bwrap/prlimit
 MARKER_ENV = "MILES_AGENT_SANDBOX_ID"  # plain mode only: finds escaped processes at stop
 MAX_COMMAND_BYTES = 128 << 10  # the kernel refuses a longer single argument (MAX_ARG_STRLEN)
+AGENT_DIRS = (("workspace", INSIDE_WORKSPACE), ("tmp", "/tmp"), ("root", "/root"))
+# Top-level folders a verifier may not claim: the system's, and the ones the sandbox itself mounts.
+RESERVED_TOPS = frozenset({"", "usr", "etc", "proc", "dev", "sys", "bin", "sbin", "lib", "lib32", "lib64",
+                           "libx32", "workspace", "tmp", "root", "home"})
 T = TypeVar("T")
 _warned_unisolated = False
 
@@ -61,15 +86,19 @@ class LocalSandbox(Sandbox):
     """Commands isolated with bubblewrap in a private workspace: no network, limits, nothing left running."""
 
     name = "local"
-    description = "bubblewrap-isolated commands in a private per-episode workspace (no network, rlimits)"
+    description = "bubblewrap-isolated commands in a private per-episode workspace (no network, rlimits, quota)"
 
     def __init__(self, *, isolation: str = "bwrap", bwrap_path: str | None = None,
                  root_dir: str | None = None, use_cgroups: bool = True,
-                 output_kill_bytes: int | None = None, extra_ro_binds: Sequence[str] = ()) -> None:
+                 output_kill_bytes: int | None = None, extra_ro_binds: Sequence[str] = (),
+                 sandbox_uid: int | None = None, verifier_disk_bytes: int = 512 << 20,
+                 verifier_disk_inodes: int = 65536) -> None:
         """``isolation``: "bwrap" (default) or "none" (unisolated, explicit). ``bwrap_path``: the binary
         (default: ``bwrap`` on PATH). ``root_dir``: where workspaces are created (default: the temp dir).
         ``output_kill_bytes``: per-stream output after which a command is killed (default: 16x the
-        spec's max_output_bytes, at least 1 MiB). ``extra_ro_binds``: host folders to show read-only."""
+        spec's max_output_bytes, at least 1 MiB). ``extra_ro_binds``: host folders to show read-only.
+        ``sandbox_uid``: with a root caller, the host uid (and gid) commands run as (default: a fresh
+        one per sandbox). ``verifier_disk_*``: the quota of the verifier's own storage."""
         if isolation not in ("bwrap", "none"):
             raise ValueError(f"LocalSandbox isolation must be 'bwrap' or 'none', not {isolation!r}")
         self.isolation = isolation
@@ -78,11 +107,16 @@ class LocalSandbox(Sandbox):
         self._use_cgroups = use_cgroups
         self._output_kill_bytes = output_kill_bytes
         self._extra_ro_binds = tuple(extra_ro_binds)
+        self._sandbox_uid = sandbox_uid
+        self._verifier_quota = Quota(verifier_disk_bytes, verifier_disk_inodes)
         self.id = uuid.uuid4().hex[:12]
         self.root: str | None = None  # the sandbox's host folder while started
         self._fs_fd: int | None = None
+        self._fs_root = ""  # the agent storage's folder as the kernel names it
         self._spec = SandboxSpec()
-        self._prefix: list[str] = []
+        self._bwrap: Bwrap | None = None
+        self._identity = HostIdentity(os.getuid(), os.getgid())
+        self._storage: SandboxStorage | None = None
         self._prlimit = self._bash = ""
         self._running: set[Execution] = set()
         self._exec_count = 0
@@ -112,6 +146,10 @@ class LocalSandbox(Sandbox):
             if not bwrap or not os.access(bwrap, os.X_OK):
                 where = f"at {self._bwrap_path}" if self._bwrap_path else "on PATH"
                 raise SandboxError(f"local sandbox: bubblewrap (bwrap) not found {where}; {INSTALL_HINT}")
+            if os.geteuid() == 0 and not _world_executable(bwrap):
+                raise SandboxError(f"local sandbox: {bwrap} cannot be run by the sandbox's unprivileged uid (it or a "
+                                   "folder above it is not executable by others); install bubblewrap system-wide "
+                                   "or make its path world-executable")
         # The system copy first: in bwrap mode prlimit runs inside, where only /usr and /bin exist.
         self._prlimit = shutil.which("prlimit", path=SYSTEM_PATH) or shutil.which("prlimit") or ""
         self._bash = shutil.which("bash", path="/usr/bin:/bin") or ""
@@ -129,29 +167,49 @@ class LocalSandbox(Sandbox):
 
     async def _prepare(self, spec: SandboxSpec, bwrap: str | None) -> None:
         assert self.root is not None
-        fs = os.path.join(self.root, "fs")
-        for sub, mode in (("workspace", 0o755), ("tmp", 0o1777), ("root", 0o700)):
-            os.makedirs(os.path.join(fs, sub))
-            os.chmod(os.path.join(fs, sub), mode)
-        self._fs_fd = os.open(fs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._spec = spec
-        if bwrap is not None:
-            try:
-                probed = await probe_bwrap(bwrap, fs)
-            except RuntimeError as e:
-                advice = ("install a newer bubblewrap" if isinstance(e, BwrapTooOld) else
-                          "it needs user namespaces (sysctl kernel.unprivileged_userns_clone=1 or "
-                          "user.max_user_namespaces>0; in a container, a seccomp/AppArmor profile that "
-                          "permits unshare)")
-                raise SandboxError(f"local sandbox: bubblewrap ({bwrap}) does not work here: {e}. Fix: {advice}; "
-                                   "or construct LocalSandbox(isolation='none') to run commands without "
-                                   "isolation") from None
-            self._prefix = bwrap_prefix(probed, fs, self._extra_ro_binds)
+        if bwrap is None:
+            self._fs_root = os.path.join(self.root, "fs")
+            for sub, mode in (("workspace", 0o755), ("tmp", 0o1777), ("root", 0o700)):
+                os.makedirs(os.path.join(self._fs_root, sub))
+                os.chmod(os.path.join(self._fs_root, sub), mode)
+            self._fs_fd = os.open(self._fs_root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        else:
+            await self._prepare_isolated(spec, bwrap)
         for path, content in spec.files.items():
             await self.write_file(path, content)
 
+    async def _prepare_isolated(self, spec: SandboxSpec, bwrap: str) -> None:
+        """The sandbox's host identity, its quota'd storage, and a bwrap proven to work through both."""
+        assert self.root is not None
+        try:
+            self._identity = claim_identity(find_setpriv(), self._sandbox_uid)
+            limits = spec.limits
+            self._storage = SandboxStorage(self.root, self._identity, Quota(limits.disk_bytes, limits.disk_inodes),
+                                           self._verifier_quota)
+            await asyncio.to_thread(self._storage.start)
+            self._fs_root = self._storage.agent_dir
+            self._fs_fd = os.open(self._storage.host_view(self._fs_root), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._bwrap = await probe_bwrap(bwrap, self._launch_argv(), self._agent_binds())
+        except (RuntimeError, OSError) as e:
+            advice = ("install a newer bubblewrap" if isinstance(e, BwrapTooOld) else
+                      "it needs user namespaces (sysctl user.max_user_namespaces>0, or on Debian/Ubuntu "
+                      "kernel.unprivileged_userns_clone=1; in a container, a seccomp/AppArmor profile that "
+                      "permits unshare)")
+            what = "its storage" if isinstance(e, StorageError) else f"bubblewrap ({bwrap})"
+            raise SandboxError(f"local sandbox: {what} does not work here: {e}. Fix: {advice}; or construct "
+                               "LocalSandbox(isolation='none') to run commands without isolation") from None
+
+    def _launch_argv(self) -> list[str]:
+        """What turns a process of ours into one of the sandbox: its identity, then its storage namespace."""
+        assert self._storage is not None
+        return [*self._identity.drop_argv, *self._storage.enter_argv()]
+
+    def _agent_binds(self) -> list[tuple[str, str]]:
+        return [(posixpath.join(self._fs_root, sub), inside) for sub, inside in AGENT_DIRS]
+
     async def stop(self) -> None:
-        """Kill every running command (its whole pid namespace), then delete the sandbox's folder."""
+        """Kill every running command (its whole pid namespace), then free the sandbox's storage."""
         self._stopped = True
         running = list(self._running)
         for execution in running:
@@ -164,6 +222,10 @@ class LocalSandbox(Sandbox):
         if self._fs_fd is not None:
             os.close(self._fs_fd)
             self._fs_fd = None
+        if self._storage is not None:
+            storage, self._storage = self._storage, None
+            await storage.astop()
+            release_identity(self._identity)
         if self.root is not None:
             root, self.root = self.root, None
             await _off_loop(_remove_tree, root)
@@ -174,6 +236,11 @@ class LocalSandbox(Sandbox):
                    env: dict[str, str] | None = None) -> ExecResult:
         """Run ``bash -c command`` in the sandbox; a limit ends the command, never the sandbox."""
         self._require_started()
+        return await self._run(command, timeout_s, cwd, self._command_env(env),
+                               self._agent_binds() if self.isolation == "bwrap" else [])
+
+    async def _run(self, command: str, timeout_s: float | None, cwd: str | None, command_env: dict[str, str],
+                   binds: list[tuple[str, str]]) -> ExecResult:
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if len(command.encode(errors="surrogateescape")) >= MAX_COMMAND_BYTES:
@@ -182,17 +249,27 @@ class LocalSandbox(Sandbox):
                 f"local sandbox: the command is {len(command)} characters; one command line may be at most "
                 f"{MAX_COMMAND_BYTES - 1} bytes (Linux MAX_ARG_STRLEN); write a script file and run it instead\n"))
         limits = self._spec.limits
-        inner, command_env = self._inner_argv(command, cwd), self._command_env(env)
+        inner = self._inner_argv(command, cwd)
         self._exec_count += 1
         cgroup = None
         if self._use_cgroups:  # +2: the outer bwrap and its namespace init live in it too
             cgroup = create_pids_cgroup(f"miles-agent-{self.id}-{self._exec_count}", limits.max_processes + 2)
         head = ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file] if cgroup else []
         isolated = self.isolation == "bwrap"
-        inner = rlimit_argv(self._prlimit, limits, nproc=isolated) + inner
+        # RLIMIT_NPROC (+1: the namespace init) is the process limit where no cgroup is; with one it is
+        # only a backstop above the cgroup's, whose refusals are counted and end the command at once.
+        nproc = (limits.max_processes + (16 if cgroup else 1)) if isolated else None
+        inner = rlimit_argv(self._prlimit, limits, nproc=nproc) + inner
+        if isolated:
+            assert self._bwrap is not None
+            launch = head + self._launch_argv() + [self._bwrap.path]
+            argv_for = lambda status_fd, args_fd: [*launch, "--args", str(args_fd),  # noqa: E731
+                                                   "--json-status-fd", str(status_fd), "--", *inner]
+            blob, workdir = args_blob(bwrap_options(self._bwrap, binds, self._extra_ro_binds)), "/"
+        else:
+            argv_for, blob, workdir = (lambda _s, _a: head + inner), None, self._host_path("workspace")
         plan = RunPlan(
-            argv_for=lambda status_fd: head + self._bwrap_argv(status_fd) + inner,
-            env=command_env, cwd=self._host_path("workspace"), limits=limits,
+            argv_for=argv_for, env=command_env, cwd=workdir, limits=limits, bwrap_args=blob,
             wall_s=timeout_s if timeout_s is not None else limits.wall_time_s, isolated=isolated,
             cgroup=cgroup, output_kill_bytes=self._output_kill_bytes or max(16 * limits.max_output_bytes, 1 << 20))
         execution = Execution(plan)
@@ -204,11 +281,6 @@ class LocalSandbox(Sandbox):
             if cgroup is not None and not cgroup.remove():
                 log.warning("local sandbox: could not remove cgroup %s", cgroup.path)
 
-    def _bwrap_argv(self, status_fd: int | None) -> list[str]:
-        if self.isolation != "bwrap":
-            return []
-        return [*self._prefix, "--json-status-fd", str(status_fd), "--"]
-
     def _inner_argv(self, command: str, cwd: str | None) -> list[str]:
         """``bash -c command``, first changing to ``cwd`` (relative to the workspace) when given."""
         if "\0" in command:
@@ -219,19 +291,60 @@ class LocalSandbox(Sandbox):
             cwd = os.path.join(self._host_path("workspace"), cwd)
         return [self._bash, "-c", 'cd -- "$1" || exit 1; shift; exec "$BASH" -c "$1"', "bash", cwd, command]
 
-    def _command_env(self, extra: dict[str, str] | None) -> dict[str, str]:
+    def _command_env(self, extra: dict[str, str] | None, base: dict[str, str] | None = None) -> dict[str, str]:
         """The command's whole environment: nothing inherited from this process."""
         if self.isolation == "bwrap":
             env = {"PATH": SYSTEM_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb", "USER": "root"}
         else:
             env = {"PATH": SYSTEM_PATH, "HOME": self._host_path("root"), "TMPDIR": self._host_path("tmp"),
                    "LANG": "C.UTF-8", "TERM": "dumb", MARKER_ENV: self.id}
-        for source in (self._spec.env, extra or {}):
+        for source in (base if base is not None else self._spec.env, extra or {}):
             for key, value in source.items():
                 if not key or "=" in key or "\0" in key or "\0" in value:
                     raise ValueError(f"invalid environment variable {key!r}")
                 env[key] = value
         return env
+
+    # -- the verifier --------------------------------------------------------------------------
+
+    async def run_verifier(self, run: VerifierRun) -> VerifierResult:
+        """Stage ``run.files`` from the host side into the verifier's own storage (never bound while the
+        agent acts, so nothing the agent did can block or alter it), bind each of their top-level
+        folders at its absolute path, and run the command on the agent's final workspace with a fresh
+        home and /tmp; the outputs are read back from the host side."""
+        self._require_started()
+        if self.isolation != "bwrap" or self._storage is None:
+            raise UserError("local sandbox: a verifier needs isolation='bwrap' (the unisolated mode cannot show "
+                            "files at absolute paths such as /tests); install bubblewrap")
+        tops = _verifier_tops(run)
+        view = self._storage.host_view(self._storage.verifier_dir)
+        await asyncio.to_thread(self._guard_io, lambda _r, _fd: _stage_verifier(view, tops, run))
+        binds = [(posixpath.join(self._fs_root, "workspace"), INSIDE_WORKSPACE)]
+        binds += [(posixpath.join(self._storage.verifier_dir, d), inside)
+                  for d, inside in (("tmp", "/tmp"), ("home", "/root"), *((t, "/" + t) for t in tops))]
+        env = self._command_env({**VERIFIER_PYTHON_ENV, **run.env}, base={})
+        result = await self._run(run.command, run.timeout_s, None, env, binds)
+        outputs = await asyncio.to_thread(self._read_outputs, run)
+        return VerifierResult(result, outputs)
+
+    def _read_outputs(self, run: VerifierRun) -> dict[str, bytes]:
+        assert self._storage is not None
+        out_dir = run.output_dir.strip("/")
+        top, _, rest = out_dir.partition("/")
+        vdir = self._storage.verifier_dir
+        fd = os.open(self._storage.host_view(vdir), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        outputs = {}
+        try:
+            with as_fs_user(self._identity):
+                for name in run.outputs:
+                    try:
+                        outputs[name] = paths.read_workspace_file(vdir, fd, posixpath.join(rest, name), top=top,
+                                                                  limit=run.max_output_file_bytes)
+                    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
+                        continue
+        finally:
+            os.close(fd)
+        return outputs
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -242,7 +355,8 @@ class LocalSandbox(Sandbox):
         return await asyncio.to_thread(self._guard_io, paths.read_workspace_file, rel)
 
     async def write_file(self, path: str, content: bytes) -> None:
-        """Create or replace a workspace file, creating its folders; same path rules as `read_file`."""
+        """Create or replace a workspace file, creating its folders; same path rules as `read_file`.
+        A full quota raises OSError(ENOSPC/EDQUOT), as a write inside the sandbox would fail."""
         rel = self._rel(path)
         if not isinstance(content, bytes | bytearray | memoryview):
             raise TypeError(f"write_file needs bytes, got {type(content).__name__}")
@@ -254,13 +368,17 @@ class LocalSandbox(Sandbox):
         return paths.workspace_relative(path, inside)
 
     def _guard_io(self, fn: Callable[..., T], *args: object) -> T:
-        """Caller errors (missing file, path escapes) pass through; other OS failures are the sandbox's."""
+        """File access as the sandbox's own host uid. Caller errors (missing file, path escapes, a full
+        quota) pass through; other OS failures are the sandbox's."""
         assert self.root is not None and self._fs_fd is not None
         try:
-            return fn(os.path.join(self.root, "fs"), self._fs_fd, *args)
+            with as_fs_user(self._identity):
+                return fn(self._fs_root, self._fs_fd, *args)
         except (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
             raise SandboxError(f"local sandbox: file access failed: {e}") from e
 
     # -- helpers -------------------------------------------------------------------------------
@@ -270,9 +388,61 @@ class LocalSandbox(Sandbox):
             state = "stopped" if self._stopped else "not started"
             raise SandboxError(f"local sandbox is {state}; call start() first")
 
+    def host_path(self, sub: str = "workspace") -> str:
+        """Where the host reaches the agent's ``workspace``, ``tmp`` or ``root`` folder right now (for
+        tests and debugging; use `read_file`/`write_file` for access that a symlink cannot redirect)."""
+        return self._host_path(sub)
+
     def _host_path(self, sub: str) -> str:
+        """A folder of the agent's storage as the host reaches it (plain mode: a real host path)."""
         assert self.root is not None
-        return os.path.join(self.root, "fs", sub)
+        base = self._storage.host_view(self._fs_root) if self._storage is not None else self._fs_root
+        return os.path.join(base, sub)
+
+
+def _world_executable(path: str) -> bool:
+    """Whether any uid may run ``path``: the file and every folder above it executable by others."""
+    path = os.path.realpath(path)
+    while True:
+        try:
+            if not os.stat(path).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+        if path == "/":
+            return True
+        path = os.path.dirname(path)
+
+
+def _verifier_tops(run: VerifierRun) -> list[str]:
+    """The top-level folders the verifier's files and outputs live in (``/tests/x`` -> ``tests``)."""
+    tops = set()
+    for path in [*run.files, run.output_dir]:
+        norm = posixpath.normpath(path)
+        top = norm.strip("/").split("/")[0]
+        if not norm.startswith("/") or top in RESERVED_TOPS or top == "..":
+            raise UserError(f"verifier path {path!r} must be absolute under a folder of its own (like /tests or "
+                            f"/logs), not under {', '.join(sorted(t for t in RESERVED_TOPS if t))}")
+        tops.add(top)
+    return sorted(tops)
+
+
+def _stage_verifier(view: str, tops: list[str], run: VerifierRun) -> None:
+    """Empty the verifier's storage, then lay out its fresh home, /tmp, output folder and files."""
+    for name in os.listdir(view):
+        path = os.path.join(view, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            _remove_tree(path)
+        else:
+            os.unlink(path)
+    for d in ("tmp", "home", *tops):
+        os.mkdir(os.path.join(view, d), 0o1777 if d == "tmp" else 0o755)
+    os.makedirs(os.path.join(view, posixpath.normpath(run.output_dir).lstrip("/")), exist_ok=True)
+    for path, content in run.files.items():
+        target = os.path.join(view, posixpath.normpath(path).lstrip("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(content)
 
 
 async def _off_loop(fn: Callable[[str], None], arg: str) -> None:

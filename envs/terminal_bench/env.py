@@ -1,16 +1,17 @@
 """terminal-bench: Harbor-format shell tasks, played through one `bash` tool and scored by the task's test.sh.
 
-Reward-file mapping. Harbor's scripts use absolute paths: the verifier writes /logs/verifier/reward.txt,
-its helpers live in /tests, the oracle in /solution, and the agent works in the Dockerfile's WORKDIR.
-A container sandbox (a task with its own image) has those paths, so nothing is rewritten there. The
-local sandbox only lends a workspace, so there they live under ``<workspace>/.harbor/`` and every text
-file copied from tests/ and solution/ has those absolute paths (and the WORKDIR) rewritten to the
-workspace ones; unmodified Harbor scripts then run as written. ``.harbor/`` is deleted and rebuilt
-right before the verifier runs, so nothing the agent left there (a forged reward file) survives, and
-tests/ is never in the sandbox while the agent acts.
+Paths. Harbor's scripts use absolute paths: the verifier writes /logs/verifier/reward.txt, its
+helpers live in /tests, the oracle in /solution, and the agent works in the Dockerfile's WORKDIR.
+The verifier runs through `Sandbox.run_verifier`, which puts tests/ at /tests and a fresh
+/logs/verifier in every sandbox -- from the host side on the local one, where the agent cannot
+reach them -- with a fresh home and /tmp and Python without user site. tests/ is never in the
+sandbox while the agent acts. The local sandbox lends its workspace for the WORKDIR, so there the
+WORKDIR in text files of tests/ and solution/ is rewritten to the workspace; the oracle's solution/
+goes to ``<workspace>/.harbor/`` (its /tests, /solution, /logs rewritten too) and is removed after.
 
-Failures: a missing or garbled reward file, or a verifier that times out, is the agent's failure and
-scores 0 with a part saying which; a `SandboxError` is an infrastructure failure and propagates (the
+Failures: a missing or garbled reward file, a verifier that times out, or one that cannot be set up
+because of the state the agent left (a locked folder, a full disk), is the agent's failure and scores
+0 with a part saying which; a `SandboxError` is an infrastructure failure and propagates (the
 episode is retried, never scored 0).
 """
 
@@ -26,7 +27,7 @@ from typing import Any, ClassVar
 
 from miles_agent.environment import Environment, EnvSession, Reward, Task, ToolError
 from miles_agent.errors import UserError
-from miles_agent.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec
+from miles_agent.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, VerifierRun
 
 from .harbor import HarborTask, load_tasks
 
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 SHIPPED_TASKS = Path(__file__).parent / "tasks"
 HARBOR_DIR = ".harbor"  # in the workspace, on sandboxes that lend only a workspace
 BUILD_IMAGE_PREFIX = "build:"  # spec.image for a task whose image is built from environment/Dockerfile
-MISSING = 3  # exit code of the reward reader when no reward file exists
+REWARD_DIR = "/logs/verifier"
 
 BASH_TOOL: dict[str, Any] = {
     "type": "function",
@@ -56,15 +57,15 @@ BASH_TOOL: dict[str, Any] = {
 # -- where Harbor's absolute paths live in a given sandbox ----------------------------------------
 
 class _Layout:
-    """Harbor's /tests, /solution and /logs, either as they are (containers) or inside the workspace."""
+    """Harbor's /tests, /solution and /logs, either as they are (containers) or inside the workspace
+    (``harbor_paths``: the oracle on the local sandbox); the WORKDIR mapped to the workspace there."""
 
-    def __init__(self, root: str, native: bool, workdir: str | None) -> None:
+    def __init__(self, root: str, native: bool, workdir: str | None, *, harbor_paths: bool = True) -> None:
         self.native, self.root = native, root.rstrip("/")
-        base = "" if native else f"{root.rstrip('/')}/{HARBOR_DIR}"
+        base = "" if native or not harbor_paths else f"{root.rstrip('/')}/{HARBOR_DIR}"
         self.harbor = base or "/"
         self.tests, self.solution, self.logs = f"{base}/tests", f"{base}/solution", f"{base}/logs"
-        self.reward_dir = f"{self.logs}/verifier"
-        self._map = {} if native else {"/tests": self.tests, "/solution": self.solution, "/logs": self.logs}
+        self._map = {} if not base else {"/tests": self.tests, "/solution": self.solution, "/logs": self.logs}
         if not native and workdir and workdir != "/":
             self._map[workdir] = root
 
@@ -97,8 +98,9 @@ async def _layout(task: HarborTask, sandbox: Sandbox) -> _Layout:
     return _Layout(root, native, task.workdir)
 
 
-async def _install_dir(sandbox: Sandbox, layout: _Layout, source: Path, target: str) -> None:
-    """Copy a task folder (tests/ or solution/) into the sandbox, rewriting paths in its text files."""
+def _folder_files(layout: _Layout, source: Path, target: str) -> dict[str, bytes]:
+    """A task folder (tests/ or solution/) as absolute path -> content, paths in text files rewritten."""
+    files = {}
     for path in sorted(p for p in source.rglob("*") if p.is_file()):
         data = path.read_bytes()
         if b"\0" not in data:
@@ -106,7 +108,14 @@ async def _install_dir(sandbox: Sandbox, layout: _Layout, source: Path, target: 
                 data = layout.rewrite(data.decode("utf-8")).encode("utf-8")
             except UnicodeDecodeError:
                 pass
-        await sandbox.write_file(layout.write_path(f"{target}/{path.relative_to(source).as_posix()}"), data)
+        files[f"{target}/{path.relative_to(source).as_posix()}"] = data
+    return files
+
+
+async def _install_dir(sandbox: Sandbox, layout: _Layout, source: Path, target: str) -> None:
+    """Copy a task folder into the sandbox through its file API (the oracle's solution/)."""
+    for path, data in _folder_files(layout, source, target).items():
+        await sandbox.write_file(layout.write_path(path), data)
 
 
 async def _prepare(sandbox: Sandbox, layout: _Layout, *dirs: str) -> None:
@@ -140,8 +149,9 @@ class TerminalBenchSession(EnvSession):
 
     tools = [BASH_TOOL]
 
-    def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int) -> None:
-        self.task, self.sandbox = task, sandbox
+    def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int,
+                 workspace: str = "/") -> None:
+        self.task, self.sandbox, self.workspace = task, sandbox, workspace  # workspace: where WORKDIR lives
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.agent_time_s = 0.0  # summed command time, held against the task's [agent] timeout_sec
         self.verifier_result: ExecResult | None = None  # kept for logs and debugging
@@ -161,33 +171,32 @@ class TerminalBenchSession(EnvSession):
         return _format_output(result, self.max_output_chars)
 
     async def score(self, messages: list[dict[str, Any]]) -> Reward:
-        """Run tests/test.sh on the final state and read the reward file it wrote."""
-        layout = await _layout(self.task, self.sandbox)
-        await _prepare(self.sandbox, layout, layout.tests, layout.reward_dir)
-        await _install_dir(self.sandbox, layout, self.task.path / "tests", layout.tests)
-        self.verifier_result = await self.sandbox.exec(
-            f"bash {shlex.quote(layout.tests + '/test.sh')}",
-            timeout_s=self.task.verifier_timeout_s, env=self.task.verifier_env or None)
-        if self.verifier_result.timed_out:
+        """Run tests/test.sh on the final state (`Sandbox.run_verifier`) and read the reward file it wrote."""
+        tests = _Layout(self.workspace, self.task.needs_container, self.task.workdir, harbor_paths=False)
+        run = VerifierRun(command="bash /tests/test.sh", files=_folder_files(tests, self.task.path / "tests", "/tests"),
+                          output_dir=REWARD_DIR, outputs=("reward.txt", "reward.json"),
+                          timeout_s=self.task.verifier_timeout_s, env=dict(self.task.verifier_env or {}))
+        verdict = await self.sandbox.run_verifier(run)
+        self.verifier_result = verdict.result
+        if verdict.setup_error is not None:
+            log.info("terminal-bench %s: the verifier could not be set up after the agent acted (%s); scored 0",
+                     self.task.name, verdict.setup_error)
+            return Reward(0.0, {"tests_passed": 0.0, "verifier_setup_failed": 1.0})
+        if verdict.result is not None and verdict.result.timed_out:
             return Reward(0.0, {"tests_passed": 0.0, "verifier_timed_out": 1.0})
-        return await _read_reward(self.sandbox, layout)
+        return _reward_from(verdict.outputs)
 
 
-async def _read_reward(sandbox: Sandbox, layout: _Layout) -> Reward:
-    d = shlex.quote(layout.reward_dir)
-    script = (f"if [ -f {d}/reward.txt ]; then echo txt; head -c 4096 {d}/reward.txt; "
-              f"elif [ -f {d}/reward.json ]; then echo json; head -c 65536 {d}/reward.json; "
-              f"else exit {MISSING}; fi")
-    result = await sandbox.exec(script, timeout_s=30)
-    if result.exit_code == MISSING:
-        return Reward(0.0, {"tests_passed": 0.0, "reward_file_missing": 1.0})
-    _check(result, "reading the reward file")
-    kind, _, body = result.stdout.partition("\n")
-    values = _parse_reward(kind, body)
-    if values is None:
-        return Reward(0.0, {"tests_passed": 0.0, "reward_file_garbled": 1.0})
-    value, extra = values
-    return Reward(value, {"tests_passed": value, **extra})
+def _reward_from(outputs: dict[str, bytes]) -> Reward:
+    """reward.txt wins over reward.json, as in Harbor; neither is the agent's failure, scored 0."""
+    for name, kind, cap in (("reward.txt", "txt", 4096), ("reward.json", "json", 65536)):
+        if name in outputs:
+            values = _parse_reward(kind, outputs[name][:cap].decode("utf-8", errors="replace"))
+            if values is None:
+                return Reward(0.0, {"tests_passed": 0.0, "reward_file_garbled": 1.0})
+            value, extra = values
+            return Reward(value, {"tests_passed": value, **extra})
+    return Reward(0.0, {"tests_passed": 0.0, "reward_file_missing": 1.0})
 
 
 def _parse_reward(kind: str, body: str) -> tuple[float, dict[str, float]] | None:
@@ -295,7 +304,8 @@ class TerminalBenchEnv(Environment):
         if executable:
             _check(await sandbox.exec("chmod +x -- " + " ".join(shlex.quote(p) for p in executable),
                                       timeout_s=30), "marking environment scripts executable")
-        return TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars)
+        layout = await _layout(t, sandbox)  # before the agent acts: a failure here is the sandbox's
+        return TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars, layout.root or "/")
 
     async def oracle_solve(self, task: Task | str, sandbox: Sandbox) -> ExecResult:
         """Run the task's solution/solve.sh in the sandbox (the oracle policy); the caller scores after."""

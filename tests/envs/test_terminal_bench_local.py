@@ -124,11 +124,11 @@ def test_reward_json_is_read(tmp_path):
 
 
 def test_sandbox_errors_propagate_and_are_never_scored(tmp_path):
-    class Broken(LocalSandbox):
-        async def exec(self, command, **kw):
+    class Broken(LocalSandbox):  # dies when the verifier's command starts
+        async def _run(self, command, *args, **kw):
             if "test.sh" in command:
                 raise SandboxError("the sandbox died")
-            return await super().exec(command, **kw)
+            return await super()._run(command, *args, **kw)
 
     env = TerminalBenchEnv()
     task = next(t for t in env.tasks() if t.id == "hello-file")

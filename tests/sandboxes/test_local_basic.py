@@ -143,15 +143,25 @@ def test_missing_bubblewrap_is_refused_with_the_package_name(tmp_path, monkeypat
     ("--unshare-all --json-status-fd FD", "does not work here.*No permissions.*user namespaces"),
     ("--unshare-all --info-fd FD", "too old.*0.5 or newer.*install a newer bubblewrap"),
 ])
-def test_bubblewrap_that_cannot_work_here_is_refused(tmp_path, usage, error):
-    fake = tmp_path / "bwrap"
+def test_bubblewrap_that_cannot_work_here_is_refused(world_tmp, usage, error):
+    fake = world_tmp / "bwrap"  # where the sandbox's unprivileged uid may run it
     fake.write_text(f"#!/bin/sh\nif [ \"$1\" = --help ]; then echo '{usage}'; exit 0; fi\n"
                     "echo 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    fake.chmod(0o755)
     sandbox = LocalSandbox(bwrap_path=str(fake))
     with pytest.raises(SandboxError, match=error):
         run(sandbox.start(SandboxSpec()))
     assert sandbox.root is None  # nothing left behind by the failed start
+
+
+def test_bubblewrap_the_sandbox_uid_cannot_run_is_refused_with_the_fix(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only a root caller runs bwrap as another uid")
+    fake = tmp_path / "bwrap"  # pytest's tmp folders are 0700
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    with pytest.raises(SandboxError, match="unprivileged uid.*install bubblewrap system-wide"):
+        run(LocalSandbox(bwrap_path=str(fake)).start(SandboxSpec()))
 
 
 def test_unisolated_mode_is_explicit_logged_and_still_limited(caplog, marker):

@@ -222,7 +222,7 @@ def test_disk_fill_stops_at_the_file_size_limit(isolation):
         async with LocalSandbox(isolation=isolation) as sb:
             await sb.start(SandboxSpec(limits=LIMITS))
             r = await sb.exec("head -c 2G /dev/zero > big; python3 -c \"open('big2','wb').write(b'x' * (64 << 20))\"")
-            sizes = [os.path.getsize(os.path.join(sb.root, "fs", "workspace", f)) for f in ("big", "big2")]
+            sizes = [os.path.getsize(os.path.join(sb.host_path(), f)) for f in ("big", "big2")]
             return r, sizes
     r, sizes = run(main())
     assert r.limit_hit == "file_size" and r.exit_code != 0, r
