@@ -207,10 +207,16 @@ class PidsCgroup:
     """One command's pids cgroup: a hard process limit, its hit counter, and everything inside it."""
 
     path: str
+    parent: str = ""  # the cgroup we live in (where a thread moved in for a spawn goes back to)
 
     @property
     def procs_file(self) -> str:
         return os.path.join(self.path, "cgroup.procs")
+
+    @property
+    def threads_movable(self) -> bool:
+        """cgroup v1 moves single threads (``tasks``): the spawner thread steps in, forks, steps out."""
+        return os.path.exists(os.path.join(self.path, "tasks")) and os.path.exists(os.path.join(self.parent, "tasks"))
 
     def limit_hits(self) -> int:
         """How many forks the limit refused (``max`` in pids.events)."""
@@ -286,4 +292,4 @@ def create_pids_cgroup(name: str, max_pids: int) -> PidsCgroup | None:
     except OSError:
         PidsCgroup(path).remove()
         return None
-    return PidsCgroup(path)
+    return PidsCgroup(path, str(_cgroup_parent))

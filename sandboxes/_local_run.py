@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxLimits
 
 from ._local_isolation import PidsCgroup
-from ._local_spawn import SpawnedProcess, spawn
+from ._local_spawn import SpawnAs, SpawnedProcess, spawn
 
 WATCH_INTERVAL_S = 0.05
 READ_CHUNK = 1 << 16
@@ -125,6 +125,7 @@ class RunPlan:
     cgroup: PidsCgroup | None
     output_kill_bytes: int
     bwrap_args: bytes | None = None  # bwrap's options, fed through ``--args FD``
+    spawn_as: SpawnAs = SpawnAs()  # the cgroup and host uid the child starts in
 
 
 def rlimit_argv(prlimit: str, limits: SandboxLimits, *, nproc: int | None) -> list[str]:
@@ -209,7 +210,8 @@ class Execution:
         child_fds = tuple(fd for fd in (status_w, args_r) if fd is not None)
         try:
             self.proc = await spawn(self.plan.argv_for(status_w, args_r), stdout=out_w, stderr=err_w,
-                                    env=self.plan.env, cwd=self.plan.cwd, pass_fds=child_fds)
+                                    env=self.plan.env, cwd=self.plan.cwd, pass_fds=child_fds,
+                                    spawn_as=self.plan.spawn_as)
         except OSError as e:
             os.close(out_r)
             os.close(err_r)

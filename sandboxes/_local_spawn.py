@@ -20,6 +20,7 @@ import os
 import subprocess
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 _SYSCALL_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280}
 _KEYCTL_JOIN_SESSION_KEYRING = 1
@@ -50,11 +51,34 @@ def _spawner() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+@dataclass(frozen=True)
+class SpawnAs:
+    """Who the child becomes before its first exec: a cgroup (v1, joined by the spawner thread around
+    the fork, so no shell is needed to join it) and a uid/gid with no supplementary groups."""
+
+    cgroup_tasks: str | None = None  # the cgroup's ``tasks`` file
+    home_tasks: str | None = None  # where the spawner thread goes back to
+    uid: int | None = None
+    gid: int | None = None
+
+
+def _move_thread(tasks_file: str) -> None:
+    with open(tasks_file, "w") as f:
+        f.write(str(threading.get_native_id()))
+
+
 def _spawn_now(argv: Sequence[str], env: dict[str, str], cwd: str, stdout: int | None, stderr: int | None,
-               pass_fds: Sequence[int]) -> subprocess.Popen:
+               pass_fds: Sequence[int], spawn_as: SpawnAs) -> subprocess.Popen:
     join_fresh_session_keyring()
-    return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
-                            pass_fds=tuple(pass_fds), start_new_session=True, close_fds=True)
+    user = {} if spawn_as.uid is None else {"user": spawn_as.uid, "group": spawn_as.gid, "extra_groups": []}
+    if spawn_as.cgroup_tasks and spawn_as.home_tasks:
+        _move_thread(spawn_as.cgroup_tasks)
+    try:
+        return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
+                                pass_fds=tuple(pass_fds), start_new_session=True, close_fds=True, **user)
+    finally:
+        if spawn_as.cgroup_tasks and spawn_as.home_tasks:
+            _move_thread(spawn_as.home_tasks)
 
 
 class SpawnedProcess:
@@ -100,14 +124,14 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 async def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: str, stdout: int | None = None,
-                stderr: int | None = None, pass_fds: Sequence[int] = ()) -> SpawnedProcess:
+                stderr: int | None = None, pass_fds: Sequence[int] = (), spawn_as: SpawnAs = SpawnAs()) -> SpawnedProcess:
     """Start ``argv`` from the spawner thread (fresh session keyring, own session, no inherited fds)."""
     loop = asyncio.get_running_loop()
-    popen = await loop.run_in_executor(_spawner(), _spawn_now, argv, env, cwd, stdout, stderr, pass_fds)
+    popen = await loop.run_in_executor(_spawner(), _spawn_now, argv, env, cwd, stdout, stderr, pass_fds, spawn_as)
     return SpawnedProcess(popen)
 
 
 def spawn_sync(argv: Sequence[str], *, env: dict[str, str], cwd: str = "/", stdout: int | None = None,
                stderr: int | None = None, pass_fds: Sequence[int] = ()) -> subprocess.Popen:
     """`spawn` for callers without an event loop (the storage holder is started from either)."""
-    return _spawner().submit(_spawn_now, argv, env, cwd, stdout, stderr, pass_fds).result()
+    return _spawner().submit(_spawn_now, argv, env, cwd, stdout, stderr, pass_fds, SpawnAs()).result()

@@ -60,18 +60,20 @@ from ._local_isolation import (
     INSTALL_HINT,
     Bwrap,
     BwrapTooOld,
+    PidsCgroup,
     args_blob,
     bwrap_options,
     create_pids_cgroup,
     probe_bwrap,
 )
 from ._local_run import Execution, RunPlan, rlimit_argv
+from ._local_spawn import SpawnAs
 from ._local_storage import Quota, SandboxStorage, StorageError
 
 log = logging.getLogger(__name__)
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-CGROUP_JOIN = 'echo $$ > "$0" && exec "$@"'  # sh: join the command's cgroup, then become bwrap/prlimit
+CGROUP_JOIN = 'echo $$ > "$0" && exec "$@"'  # sh: join the command's cgroup, then exec the rest
 MARKER_ENV = "MILES_AGENT_SANDBOX_ID"  # plain mode only: finds escaped processes at stop
 MAX_COMMAND_BYTES = 128 << 10  # the kernel refuses a longer single argument (MAX_ARG_STRLEN)
 AGENT_DIRS = (("workspace", INSIDE_WORKSPACE), ("tmp", "/tmp"), ("root", "/root"))
@@ -254,7 +256,7 @@ class LocalSandbox(Sandbox):
         cgroup = None
         if self._use_cgroups:  # +2: the outer bwrap and its namespace init live in it too
             cgroup = create_pids_cgroup(f"miles-agent-{self.id}-{self._exec_count}", limits.max_processes + 2)
-        head = ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file] if cgroup else []
+        head, spawn_as = self._entry(cgroup)
         isolated = self.isolation == "bwrap"
         # RLIMIT_NPROC (+1: the namespace init) is the process limit where no cgroup is; with one it is
         # only a backstop above the cgroup's, whose refusals are counted and end the command at once.
@@ -262,14 +264,15 @@ class LocalSandbox(Sandbox):
         inner = rlimit_argv(self._prlimit, limits, nproc=nproc) + inner
         if isolated:
             assert self._bwrap is not None
-            launch = head + self._launch_argv() + [self._bwrap.path]
+            assert self._storage is not None
+            launch = head + self._storage.enter_argv() + [self._bwrap.path]
             argv_for = lambda status_fd, args_fd: [*launch, "--args", str(args_fd),  # noqa: E731
                                                    "--json-status-fd", str(status_fd), "--", *inner]
             blob, workdir = args_blob(bwrap_options(self._bwrap, binds, self._extra_ro_binds)), "/"
         else:
             argv_for, blob, workdir = (lambda _s, _a: head + inner), None, self._host_path("workspace")
         plan = RunPlan(
-            argv_for=argv_for, env=command_env, cwd=workdir, limits=limits, bwrap_args=blob,
+            argv_for=argv_for, env=command_env, cwd=workdir, limits=limits, bwrap_args=blob, spawn_as=spawn_as,
             wall_s=timeout_s if timeout_s is not None else limits.wall_time_s, isolated=isolated,
             cgroup=cgroup, output_kill_bytes=self._output_kill_bytes or max(16 * limits.max_output_bytes, 1 << 20))
         execution = Execution(plan)
@@ -280,6 +283,19 @@ class LocalSandbox(Sandbox):
             self._running.discard(execution)
             if cgroup is not None and not cgroup.remove():
                 log.warning("local sandbox: could not remove cgroup %s", cgroup.path)
+
+    def _entry(self, cgroup: PidsCgroup | None) -> tuple[list[str], SpawnAs]:
+        """How a command's first process gets into its cgroup and becomes the sandbox's host uid: set
+        by the spawner itself where it can (cgroup v1 threads, Popen's uid switch); else a shell that
+        joins the cgroup first, then ``setpriv``."""
+        ident = self._identity if self.isolation == "bwrap" else HostIdentity(os.getuid(), os.getgid())
+        user = {"uid": ident.uid, "gid": ident.gid} if ident.switched else {}
+        if cgroup is None:
+            return [], SpawnAs(**user)
+        if cgroup.threads_movable:
+            return [], SpawnAs(cgroup_tasks=os.path.join(cgroup.path, "tasks"),
+                               home_tasks=os.path.join(cgroup.parent, "tasks"), **user)
+        return ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file, *ident.drop_argv], SpawnAs()
 
     def _inner_argv(self, command: str, cwd: str | None) -> list[str]:
         """``bash -c command``, first changing to ``cwd`` (relative to the workspace) when given."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import stat
 
 import pytest
 from sandbox_helpers import assert_nothing_left, needs_bwrap, run
