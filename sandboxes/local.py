@@ -133,7 +133,12 @@ class LocalSandbox(Sandbox):
             raise SandboxError(f"the local sandbox cannot run container images (task asks for {spec.image!r}); "
                                "configure a container sandbox (docker, e2b, modal or daytona) for this task")
         bwrap = self._find_tools()
-        self.root = tempfile.mkdtemp(prefix="miles-sandbox-", dir=self._root_dir)
+        parent = self._root_dir or tempfile.gettempdir()
+        if bwrap is not None and os.geteuid() == 0 and not _world_executable(parent):
+            raise SandboxError(f"local sandbox: {parent} (where sandbox folders go) cannot be entered by the "
+                               "sandbox's unprivileged uid; pass root_dir= (or set TMPDIR to) a folder every user "
+                               "can enter, such as /tmp")
+        self.root = tempfile.mkdtemp(prefix="miles-sandbox-", dir=parent)
         try:
             await self._prepare(spec, bwrap)
         except BaseException:

@@ -163,6 +163,13 @@ def test_bubblewrap_the_sandbox_uid_cannot_run_is_refused_with_the_fix(tmp_path)
         run(LocalSandbox(bwrap_path=str(fake)).start(SandboxSpec()))
 
 
+def test_a_sandbox_folder_its_uid_cannot_enter_is_refused_with_the_fix(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only a root caller runs sandboxes as another uid")
+    with pytest.raises(SandboxError, match="cannot be entered.*root_dir="):  # pytest's tmp folders are 0700
+        run(LocalSandbox(root_dir=str(tmp_path)).start(SandboxSpec()))
+
+
 def test_unisolated_mode_is_explicit_logged_and_still_limited(caplog, marker):
     async def main():
         spec = SandboxSpec(limits=SandboxLimits(wall_time_s=1.0))
