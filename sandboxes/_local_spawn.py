@@ -27,6 +27,7 @@ _KEYCTL_JOIN_SESSION_KEYRING = 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_pid = 0
 _pool_lock = threading.Lock()
 
 
@@ -44,10 +45,12 @@ def join_fresh_session_keyring() -> bool:
 
 
 def _spawner() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
+    """The process's spawner thread (a new one in a forked child, where the parent's thread is gone)."""
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None:
+        if _pool is None or _pool_pid != os.getpid():
             _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-sandbox-spawn")
+            _pool_pid = os.getpid()
         return _pool
 
 
