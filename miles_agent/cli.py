@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         k = sub.add_parser(kind, help=f"list installed {kind}")
         k.add_argument("action", choices=["list"])
 
-    s = sub.add_parser("sandbox", help="run a command in a sandbox by hand (miles-agent sandbox exec -- CMD)")
+    s = sub.add_parser("sandbox", help="run a command in a sandbox by hand (miles-agent sandbox exec -- CMD)",
+                       epilog="exec exits with the command's exit code; 124 if it ran past --timeout; "
+                              "141 if the output's reader closed the pipe early")
     s.add_argument("action", choices=["exec", "reap"], help="exec: run a command; reap: remove expired sandboxes")
     s.add_argument("--backend", default="local", help="sandbox backend (see `miles-agent sandboxes list`)")
     s.add_argument("--timeout", type=float, default=30.0, help="wall-time limit in seconds")
@@ -140,7 +142,14 @@ def cmd_sandbox_reap(args: argparse.Namespace) -> int:
     return 0
 
 
+#: `sandbox exec`'s exit status when the command ran past --timeout (coreutils `timeout`'s convention).
+SANDBOX_TIMEOUT_EXIT = 124
+#: The exit status of a command whose reader closed the pipe: 128 + SIGPIPE, what a shell reports.
+BROKEN_PIPE_EXIT = 141
+
+
 def cmd_sandbox_exec(args: argparse.Namespace) -> int:
+    """Run one command in a fresh sandbox, print its output, and exit with its exit code."""
     import shlex
 
     from miles_agent.registry import load
@@ -164,14 +173,33 @@ def cmd_sandbox_exec(args: argparse.Namespace) -> int:
         result = asyncio.run(run())
     except SandboxError as e:
         raise UserError(f"sandbox {args.backend!r} failed: {e}") from None
+    try:
+        _print_exec_result(result)
+    except BrokenPipeError:  # the reader left early (`... | head`): stop quietly, as `cat` would
+        return _stdout_closed()
+    return SANDBOX_TIMEOUT_EXIT if result.timed_out else result.exit_code
+
+
+def _print_exec_result(result: Any) -> None:
     print("--- stdout ---")
     print(result.stdout, end="" if result.stdout.endswith("\n") or not result.stdout else "\n")
     print("--- stderr ---")
     print(result.stderr, end="" if result.stderr.endswith("\n") or not result.stderr else "\n")
     print(f"--- exit code {result.exit_code} in {result.duration_s:.3f}s"
+          + ("; timed out" if result.timed_out else "")
           + (f"; limit hit: {result.limit_hit}" if result.limit_hit else "")
           + ("; output truncated" if result.output_truncated else ""))
-    return 0
+    sys.stdout.flush()  # inside the caller's try: a closed pipe surfaces here, not at interpreter exit
+
+
+def _stdout_closed() -> int:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again (Python docs,
+    "Note on SIGPIPE"), and exit as a process killed by SIGPIPE would."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return BROKEN_PIPE_EXIT
 
 
 def cmd_warmstart(args: argparse.Namespace) -> int:

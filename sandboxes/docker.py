@@ -5,8 +5,25 @@ was SIGKILLed) it exits and is removed by the engine when the TTL runs out. It a
 ``miles-agent.sandbox=1`` and ``miles-agent.expires-at=<unix time>``, so `reap` (``miles-agent sandbox reap
 --backend docker``) removes expired ones even on an engine that lost the auto-remove (a daemon restart).
 
-Limits map to HostConfig: memory (``Memory``), processes (``PidsLimit``), CPU (``NanoCpus``, from the
-``cpus`` option), no network unless ``network=True``. Each `exec` runs ``timeout -s KILL <t> bash -c CMD``
+Limits map to HostConfig: memory (``Memory``, with ``MemorySwap`` equal so swap adds nothing), processes
+(``PidsLimit``), open files per process (a ``nofile`` ulimit, ``max_open_files``, default 1024), CPU
+(``NanoCpus``, from the ``cpus`` option), a size-limited tmpfs on ``/tmp`` (``tmp_bytes``, default 256 MiB;
+nosuid, nodev; its pages count against the memory limit), no network unless ``network=True``.
+
+Isolation (issue 13: the agent's commands are hostile). The container is never privileged and gets:
+``no-new-privileges`` (a setuid binary in the image cannot raise privileges); ``cap_drop ALL`` and back only
+`TASK_CAPABILITIES`, what a task running as root in its own image needs to install packages and own files
+(chown, file permission overrides, setuid/setgid for apt's sandbox user, kill, binding ports below 1024 on
+loopback) -- not MKNOD, NET_RAW, SYS_CHROOT, SETFCAP, SETPCAP or AUDIT_WRITE from Docker's default set;
+no bind mounts, volumes, devices, or host namespaces (network, PID, IPC, UTS). ``/proc/sys``,
+``/proc/sysrq-trigger`` and friends stay read-only or masked: that is the engine's default for a
+non-privileged container, so we set neither ``privileged`` nor ``ReadonlyPaths``/``MaskedPaths``.
+Not done here, and the daemon's job: user-namespace remapping (``dockerd --userns-remap``, rootless Docker,
+or rootless podman) so that root in the container is not uid 0 on the host, a seccomp/AppArmor profile
+(the engine's default applies), and a disk quota on the container's writable layer (``storage_opt size``
+needs overlay2 on xfs with pquota). For untrusted code at scale, run the engine inside a VM.
+
+Each `exec` runs ``timeout -s KILL <t> bash -c CMD``
 (the image needs bash and coreutils' timeout), so a timed-out command's process group is killed inside the
 container and the result says ``timed_out``. Files go through the archive endpoints (tar).
 
@@ -23,13 +40,19 @@ import uuid
 from typing import Any
 
 from miles_agent.errors import require
-from miles_agent.sandbox import ExecResult, SandboxError, SandboxSpec
+from miles_agent.sandbox import ExecResult, SandboxError, SandboxLimits, SandboxSpec
 
 from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox
 
 LABEL = "miles-agent.sandbox"
 EXPIRES_LABEL = "miles-agent.expires-at"
 DEFAULT_IMAGE = "python:3.12-slim"
+#: Added back after ``cap_drop ALL``: what a task (root in its own image: apt/pip installs, files owned by
+#: other users, services it starts and stops) needs. Everything else in Docker's default set is dropped.
+TASK_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "SETUID", "SETGID", "KILL",
+                     "NET_BIND_SERVICE")
+DEFAULT_MAX_OPEN_FILES = 1024  # per process; with PidsLimit it bounds the container's share of file-max
+DEFAULT_TMP_BYTES = 256 << 20
 
 
 def _docker():  # noqa: ANN202 - the module
@@ -48,21 +71,26 @@ def connect(base_url: str | None = None, timeout_s: float = 60.0):  # noqa: ANN2
 
 
 class DockerSandbox(RemoteSandbox):
-    """One container per episode with memory/pids/CPU limits, no network, a TTL and a reaper label."""
+    """One container per episode: no new privileges, few capabilities, memory/pids/nofile/CPU/tmp limits,
+    no network, no host mounts, a TTL and a reaper label."""
 
     name = "docker"
     description = "a Docker container per episode (Docker Engine API): limits, no network, TTL auto-removal"
     auth_hint = "check DOCKER_HOST and that this user may use the Docker engine (the docker group)"
 
     def __init__(self, *, base_url: str | None = None, image: str = DEFAULT_IMAGE, network: bool = False,
-                 cpus: float | None = None, api_timeout_s: float = 60.0, **kwargs: Any) -> None:
+                 cpus: float | None = None, max_open_files: int = DEFAULT_MAX_OPEN_FILES,
+                 tmp_bytes: int = DEFAULT_TMP_BYTES, api_timeout_s: float = 60.0, **kwargs: Any) -> None:
         """``image``: used when the task names none. ``network``: allow the container network (default
-        off). ``cpus``: CPU quota (NanoCpus). Other keywords: see RemoteSandbox (ttl_s, retry)."""
+        off). ``cpus``: CPU quota (NanoCpus). ``max_open_files``: the nofile ulimit per process.
+        ``tmp_bytes``: size of the tmpfs on /tmp. Other keywords: see RemoteSandbox (ttl_s, retry)."""
         super().__init__(**kwargs)
         self.base_url = base_url
         self.default_image = image
         self.network = network
         self.cpus = cpus
+        self.max_open_files = max_open_files
+        self.tmp_bytes = tmp_bytes
         self.api_timeout_s = api_timeout_s
         self.api: Any = None
 
@@ -93,11 +121,7 @@ class DockerSandbox(RemoteSandbox):
     def _create(self, spec: SandboxSpec) -> None:
         self.api = connect(self.base_url, self.api_timeout_s)
         image = spec.image or self.default_image
-        limits = spec.limits
-        host_config = self.api.create_host_config(
-            auto_remove=True, mem_limit=limits.memory_bytes, pids_limit=limits.max_processes,
-            nano_cpus=int(self.cpus * 1e9) if self.cpus else None,
-            network_mode=None if self.network else "none")
+        host_config = self.api.create_host_config(**self._host_config(spec.limits))
         expires = int(time.time() + self.ttl_s)
 
         def create() -> dict:
@@ -117,6 +141,21 @@ class DockerSandbox(RemoteSandbox):
         self.handle = created["Id"]
         self.call("start container", self.api.start, self.handle)
         self.call("make workspace", self._mkdir, WORKDIR)
+
+    def _host_config(self, limits: SandboxLimits) -> dict[str, Any]:
+        """HostConfig keywords: the limits and the isolation described in the module docstring. Nothing
+        here may name a host path (no binds, volumes, devices) or a host namespace."""
+        return {
+            "auto_remove": True,
+            "security_opt": ["no-new-privileges:true"],
+            "cap_drop": ["ALL"], "cap_add": list(TASK_CAPABILITIES),
+            "mem_limit": limits.memory_bytes, "memswap_limit": limits.memory_bytes,
+            "pids_limit": limits.max_processes,
+            "ulimits": [_docker().types.Ulimit(name="nofile", soft=self.max_open_files, hard=self.max_open_files)],
+            "tmpfs": {"/tmp": f"rw,nosuid,nodev,mode=1777,size={self.tmp_bytes}"},
+            "nano_cpus": int(self.cpus * 1e9) if self.cpus else None,
+            "network_mode": None if self.network else "none",
+        }
 
     def _pull(self, image: str) -> None:
         repo, _, tag = image.partition(":") if "@" not in image else (image, "", "")

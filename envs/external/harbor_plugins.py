@@ -6,6 +6,13 @@ with the host's ``/usr`` and ``/etc`` mounted read-only on top and no network, s
 paths (``/app``, ``/tests``, ``/logs/verifier``) land in the trial's folder. It honours tasks whose
 image is the host's userland (a Dockerfile that only copies files); it does not build images.
 
+Symlinks. The trial root is the agent's filesystem, and the host side reads and writes it (Harbor
+uploads tests/ after the agent acted, downloads logs): a link the agent made there (``/tests -> /etc``)
+would be followed on the host, as root when miles-agent runs as root. So every host-side path into the
+trial root is resolved and refused if it leaves the root (`_inside`), files are written over a link
+rather than through it, and downloads leave links out. Uploads come from the task folder, which is
+downloaded and untrusted too: a link in it that leaves the folder is refused (`_refuse_links_out`).
+
 `ProxyShellAgent`: a Harbor agent that asks an OpenAI-compatible endpoint (our proxy) for shell
 commands, runs each in the environment and shows the output back, for a few turns.
 """
@@ -34,6 +41,22 @@ class LocalEnvironment(BaseEnvironment):
     def _path(self, target: str) -> Path:
         return self._root / target.lstrip("/")
 
+    def _inside(self, target: str) -> Path:
+        """The host path of ``target`` with the folders above it resolved, refused if a link leads out of
+        the trial root. The last component is kept as is: a writer replaces a link there, never follows it."""
+        path = self._path(target)
+        parent = Path(os.path.realpath(path.parent))
+        if not parent.is_relative_to(os.path.realpath(self._root)):
+            raise PermissionError(f"{target} leads out of the sandbox through a symlink (to {parent})")
+        return parent / path.name
+
+    def _write_file(self, source: Path, target: str) -> None:
+        dest = self._inside(target)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.is_symlink():
+            dest.unlink()  # a link the agent left there: replace it, do not write through it
+        shutil.copy2(source, dest)
+
     async def start(self, force_build: bool) -> None:
         self._root = Path(tempfile.mkdtemp(prefix="harbor-local-"))
         for d in ("tmp", "root", "app", "logs/agent", "logs/verifier", "logs/artifacts", "usr", "etc", "proc", "dev"):
@@ -50,19 +73,42 @@ class LocalEnvironment(BaseEnvironment):
             shutil.rmtree(self._root, ignore_errors=True)
 
     async def upload_file(self, source_path, target_path: str):
-        dest = self._path(target_path)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source_path, dest)
+        source = Path(source_path)
+        _refuse_links_out(source, source.parent)
+        self._write_file(source, target_path)
 
     async def upload_dir(self, source_dir, target_dir: str):
-        shutil.copytree(source_dir, self._path(target_dir), dirs_exist_ok=True)
+        source = Path(source_dir)
+        _refuse_links_out(source, source)
+        self._copy_tree(source.resolve(), target_dir, (source.resolve(),))
+
+    def _copy_tree(self, real_dir: Path, target: str, ancestors: tuple[Path, ...]) -> None:
+        """Copy a checked folder in; its links (all inside it) are copied as what they point to."""
+        dest = self._inside(target)
+        if dest.is_symlink():
+            dest.unlink()  # a link the agent left where the folder goes
+        dest.mkdir(parents=True, exist_ok=True)
+        for entry in sorted(os.scandir(real_dir), key=lambda e: e.name):
+            src, sub = Path(entry.path).resolve(), f"{target.rstrip('/')}/{entry.name}"
+            if src.is_dir():
+                if src in ancestors:
+                    raise PermissionError(f"{entry.path} links back to its own folder (a loop)")
+                self._copy_tree(src, sub, (*ancestors, src))
+            elif src.is_file():
+                self._write_file(src, sub)
 
     async def download_file(self, source_path: str, target_path):
+        source = self._inside(source_path)
+        if source.is_symlink():
+            raise PermissionError(f"{source_path} is a symlink in the sandbox; not following it on the host")
         Path(target_path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(self._path(source_path), target_path)
+        shutil.copy2(source, target_path)
 
     async def download_dir(self, source_dir: str, target_dir):
-        shutil.copytree(self._path(source_dir), target_dir, dirs_exist_ok=True)
+        source = self._inside(source_dir)
+        if source.is_symlink():
+            raise PermissionError(f"{source_dir} is a symlink in the sandbox; not following it on the host")
+        shutil.copytree(source, target_dir, dirs_exist_ok=True, ignore=_links)  # a link would be followed later
 
     async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
                    timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
@@ -80,6 +126,26 @@ class LocalEnvironment(BaseEnvironment):
             return ExecResult(stdout=out.decode(errors="replace"), stderr="timed out", return_code=124)
         return ExecResult(stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
                           return_code=proc.returncode)
+
+
+def _links(folder: str, names: list[str]) -> list[str]:
+    """copytree's ignore: the entries of ``folder`` that are symlinks."""
+    return [n for n in names if os.path.islink(os.path.join(folder, n))]
+
+
+def _refuse_links_out(path: Path, folder: Path) -> None:
+    """Raise if ``path`` (a file, or a folder walked without following links) holds a symlink whose target
+    is outside ``folder``: the task folder is downloaded, and its links must not copy host files in."""
+    boundary = os.path.realpath(folder)
+    links = [path] if path.is_symlink() else []
+    if path.is_dir() and not path.is_symlink():
+        for dirpath, dirnames, filenames in os.walk(path):
+            links += [Path(dirpath, n) for n in dirnames + filenames if Path(dirpath, n).is_symlink()]
+    for link in links:
+        target = os.path.realpath(link)
+        if not (os.path.exists(target) and Path(target).is_relative_to(boundary)):
+            raise PermissionError(f"{link} is a symlink to {os.readlink(link)!r} ({target}), outside {boundary}; "
+                                  "replace the link with a copy of the file inside the task folder")
 
 
 SYSTEM = ("You are in a Linux shell. Reply with exactly one shell command to run, or DONE when the "

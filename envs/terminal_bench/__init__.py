@@ -4,7 +4,7 @@ Entry point (group ``miles_agent.envs``): ``terminal-bench = "miles_agent.envs.t
 """
 
 from .env import BASH_TOOL, SHIPPED_TASKS, TerminalBenchEnv, TerminalBenchSession
-from .harbor import HarborTask, TaskFormatError, load_task, load_tasks
+from .harbor import HarborTask, TaskFormatError, TaskSymlinkError, load_task, load_tasks, staged_files
 
-__all__ = ["BASH_TOOL", "SHIPPED_TASKS", "HarborTask", "TaskFormatError", "TerminalBenchEnv",
-           "TerminalBenchSession", "load_task", "load_tasks"]
+__all__ = ["BASH_TOOL", "SHIPPED_TASKS", "HarborTask", "TaskFormatError", "TaskSymlinkError", "TerminalBenchEnv",
+           "TerminalBenchSession", "load_task", "load_tasks", "staged_files"]

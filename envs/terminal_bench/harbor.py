@@ -15,11 +15,20 @@ A task runs in the local sandbox when it needs nothing but files: no ``docker_im
 file, and a Dockerfile (if any) made only of FROM/WORKDIR/COPY/ADD/ENV/ARG/LABEL/USER lines. Anything
 else (a RUN that installs packages, services, GPUs) needs the task's own container image; such tasks
 are still parsed and listed, with the reasons, so the caller can route or refuse them.
+
+Symlinks. A task set is downloaded, so a link in it is untrusted: followed on the host, it would copy
+``~/.ssh`` or a token into the sandbox and from there into logged trajectories. Every file is staged
+through `staged_files`, which allows a link only when its fully resolved target lies inside the task
+folder and refuses any other (absolute, ``..``, a chain leaving the folder, dangling, a loop) with a
+`TaskSymlinkError` at load time. Only regular files and folders are staged: a FIFO would hang the
+loader and a device node (tar keeps them when root unpacks) would read the host's device.
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import posixpath
 import re
 import shlex
@@ -40,6 +49,10 @@ DEFAULT_TIMEOUT_S = 600.0  # Harbor's default for both the agent and the verifie
 
 class TaskFormatError(UserError):
     """A task directory that does not follow the Harbor format. The message names the file and the fix."""
+
+
+class TaskSymlinkError(TaskFormatError):
+    """A symlink in a task folder that leads out of it (or nowhere): staging it would copy a host file."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,88 @@ def _tags(meta: dict[str, Any], task_section: dict[str, Any], where: Path) -> tu
     return tuple(value)
 
 
+# -- staging files from the host: links may not leave the task folder -----------------------------
+
+_LINK_FIX = "replace the link with a copy of the file inside the task folder"
+
+
+def resolved_inside(path: Path, task_root: Path) -> Path:
+    """``path`` with every symlink in it resolved, or TaskSymlinkError if that leaves ``task_root``.
+
+    A path without links is returned resolved as well; one that does not exist (and is no link)
+    raises FileNotFoundError, which callers turn into their own "missing" message."""
+    root = task_root.resolve()
+    try:
+        target = path.resolve(strict=True)
+    except FileNotFoundError:
+        if not os.path.lexists(path) and not _has_link(path, task_root):
+            raise
+        raise TaskSymlinkError(f"{path} is a symlink to {_link_text(path)}, which does not exist; "
+                               f"{_LINK_FIX}") from None
+    except RuntimeError as e:  # a symlink loop, as Python before 3.13 reports it
+        raise TaskSymlinkError(f"{path} is a symlink loop ({e}); {_LINK_FIX}") from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:  # a loop, as Python 3.13 reports it; anything else is not ours to word
+            raise
+        raise TaskSymlinkError(f"{path} is a symlink loop ({e}); {_LINK_FIX}") from None
+    if not target.is_relative_to(root):
+        raise TaskSymlinkError(f"{path} is a symlink to {_link_text(path)} (resolving to {target}), outside "
+                               f"the task folder {root}; staging it would copy a host file into the "
+                               f"sandbox; {_LINK_FIX}")
+    return target
+
+
+def _has_link(path: Path, task_root: Path) -> bool:
+    """Whether a folder on ``path`` below ``task_root`` (both as given, compared by name) is a symlink:
+    then a missing file is the link's fault, not a typo."""
+    return any(p.is_symlink() for p in path.parents if p.is_relative_to(task_root) and p != task_root)
+
+
+def _link_text(path: Path) -> str:
+    """What the link says (its first hop), for the message; a chain is named by the resolved path too."""
+    try:
+        return repr(os.readlink(path))
+    except OSError:  # not itself a link: a folder above it is
+        return "a path through a linked folder"
+
+
+def staged_files(folder: Path, task_root: Path) -> list[tuple[str, Path]]:
+    """Every regular file under ``folder``, as (folder-relative POSIX path, resolved real path), sorted.
+
+    The one way to read a task folder's files on the host. Symlinks are not followed blindly: a link
+    whose fully resolved target lies inside ``task_root`` is staged as its target (a file's content,
+    a folder walked; a folder link back to one of its own ancestors is refused as a loop); any other
+    link (absolute, ``..``, a chain leaving the folder, dangling) raises TaskSymlinkError naming the
+    link, its target and the fix. FIFOs, sockets and device nodes raise TaskFormatError. A ``folder``
+    that does not exist holds no files. Read the returned paths, not ``folder / rel``: they are the
+    checked targets."""
+    if not os.path.lexists(folder):
+        return []
+    real = resolved_inside(folder, task_root)
+    if not real.is_dir():
+        raise TaskFormatError(f"{folder} must be a folder; move the file into a folder of that name")
+    out: list[tuple[str, Path]] = []
+    _walk(real, "", task_root.resolve(), frozenset({real}), out)
+    return out
+
+
+def _walk(real_dir: Path, rel: str, root: Path, ancestors: frozenset[Path], out: list[tuple[str, Path]]) -> None:
+    """Depth-first over ``real_dir`` (already resolved, so only each entry itself can be a link)."""
+    with os.scandir(real_dir) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            path, name = Path(entry.path), f"{rel}/{entry.name}" if rel else entry.name
+            target = resolved_inside(path, root) if entry.is_symlink() else path
+            if target.is_dir():
+                if target in ancestors:
+                    raise TaskSymlinkError(f"{path} links back to its own folder {target} (a loop); {_LINK_FIX}")
+                _walk(target, name, root, ancestors | {target}, out)
+            elif target.is_file():
+                out.append((name, target))
+            else:
+                raise TaskFormatError(f"{path} is not a regular file or folder (a FIFO, socket or device); "
+                                      "remove it from the task folder")
+
+
 # -- the Dockerfile: what the local sandbox can reproduce ------------------------------------------
 
 @dataclass
@@ -187,34 +282,49 @@ def _plan_copy(plan: _DockerPlan, args: str) -> None:
         plan.copies.append((src, dest))
 
 
-def _workspace_files(env_dir: Path, plan: _DockerPlan | None, where: Path) -> dict[str, Path]:
+def _workspace_files(task_dir: Path, plan: _DockerPlan | None, where: Path) -> dict[str, Path]:
     """Workspace-relative path -> file. Without a Dockerfile every file in environment/ is copied."""
+    env_dir = task_dir / "environment"
     if not env_dir.is_dir():
         return {}
     if plan is None:
-        return {p.relative_to(env_dir).as_posix(): p for p in sorted(env_dir.rglob("*"))
-                if p.is_file() and p.name not in IMAGE_FILES}
+        return {rel: p for rel, p in staged_files(env_dir, task_dir) if posixpath.basename(rel) not in IMAGE_FILES}
     files: dict[str, Path] = {}
     root = (plan.workdir or "/").rstrip("/")
-    context = env_dir.resolve()
     for src, dest in plan.copies:
         if not (dest.rstrip("/") + "/").startswith(root + "/"):
             plan.reasons.append(f"its Dockerfile copies {src} to {dest}, outside WORKDIR {root or '/'}")
             continue
         rel = dest.rstrip("/")[len(root):].strip("/")
-        sources = sorted(env_dir.glob(src)) if any(c in src for c in "*?[") else [env_dir / src]
-        for source in (s.resolve() for s in sources):
-            if not source.exists() or context not in (source, *source.parents):
-                raise TaskFormatError(f"{where.parent / 'environment' / 'Dockerfile'}: COPY source {src!r} is "
-                                      f"not in {env_dir}; add it there or fix the COPY line")
+        sources = _copy_sources(task_dir, src, where)
+        for source in sources:
             if source.is_dir():
-                for p in sorted(source.rglob("*")):
-                    if p.is_file() and p.name not in IMAGE_FILES:
-                        files[f"{rel}/{p.relative_to(source).as_posix()}".lstrip("/")] = p
+                for sub, p in staged_files(source, task_dir):
+                    if posixpath.basename(sub) not in IMAGE_FILES:
+                        files[f"{rel}/{sub}".lstrip("/")] = p
             elif source.name not in IMAGE_FILES:
                 into_dir = dest.endswith("/") or len(sources) > 1 or not rel
                 files[f"{rel}/{source.name}".lstrip("/") if into_dir else rel] = source
     return files
+
+
+def _copy_sources(task_dir: Path, src: str, where: Path) -> list[Path]:
+    """The resolved files/folders a COPY source names; they must lie in environment/ (Docker's build
+    context), and a link among them may not leave the task folder."""
+    env_dir = task_dir / "environment"
+    context = env_dir.resolve()
+    matches = sorted(env_dir.glob(src)) if any(c in src for c in "*?[") else [env_dir / src]
+    resolved = []
+    for match in matches:
+        try:
+            source = resolved_inside(match, task_dir)
+        except FileNotFoundError:
+            source = None
+        if source is None or not source.is_relative_to(context):
+            raise TaskFormatError(f"{where.parent / 'environment' / 'Dockerfile'}: COPY source {src!r} is "
+                                  f"not in {env_dir}; add it there or fix the COPY line")
+        resolved.append(source)
+    return resolved
 
 
 # -- the task -------------------------------------------------------------------------------------
@@ -263,11 +373,17 @@ def _container_plan(task_dir: Path, env_section: dict[str, Any]) -> tuple[_Docke
 
 
 def load_task(task_dir: str | Path) -> HarborTask:
-    """Parse one Harbor task directory, or raise TaskFormatError naming the file and the fix."""
+    """Parse one Harbor task directory, or raise TaskFormatError naming the file and the fix.
+
+    Every file in it is checked first (`staged_files`): a symlink leaving the folder fails the load,
+    so a bad task set is refused before any episode, and ``instruction.md`` or ``task.toml`` cannot
+    be a host file either (the prompt is logged with every trajectory)."""
     task_dir = Path(task_dir)
     if not task_dir.is_dir():
         raise TaskFormatError(f"{task_dir} is not a directory; pass a Harbor task directory")
     toml_path = task_dir / "task.toml"
+    if os.path.lexists(toml_path):  # a task folder: check every link in it before any file is read
+        staged_files(task_dir, task_dir)
     data = _read_toml(toml_path)
     instruction = _read_instruction(task_dir)
     if not (task_dir / "tests" / "test.sh").is_file():
@@ -278,7 +394,7 @@ def load_task(task_dir: str | Path) -> HarborTask:
     env_section = _table(data, "environment", toml_path)
     verifier, agent = _table(data, "verifier", toml_path), _table(data, "agent", toml_path)
     plan, reasons = _container_plan(task_dir, env_section)
-    files = _workspace_files(task_dir / "environment", plan, toml_path)
+    files = _workspace_files(task_dir, plan, toml_path)
     if plan is not None:
         reasons += plan.reasons
     split = data.get("split", meta.get("split"))
