@@ -29,7 +29,7 @@ from miles_agent.environment import Environment, EnvSession, Reward, Task, ToolE
 from miles_agent.errors import UserError
 from miles_agent.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, VerifierRun
 
-from .harbor import HarborTask, load_tasks
+from .harbor import HarborTask, load_tasks, staged_files
 
 log = logging.getLogger(__name__)
 
@@ -98,23 +98,23 @@ async def _layout(task: HarborTask, sandbox: Sandbox) -> _Layout:
     return _Layout(root, native, task.workdir)
 
 
-def _folder_files(layout: _Layout, source: Path, target: str) -> dict[str, bytes]:
+def _folder_files(layout: _Layout, source: Path, target: str, task_root: Path) -> dict[str, bytes]:
     """A task folder (tests/ or solution/) as absolute path -> content, paths in text files rewritten."""
     files = {}
-    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+    for rel, path in staged_files(source, task_root):  # links leaving the task folder were refused at load
         data = path.read_bytes()
         if b"\0" not in data:
             try:
                 data = layout.rewrite(data.decode("utf-8")).encode("utf-8")
             except UnicodeDecodeError:
                 pass
-        files[f"{target}/{path.relative_to(source).as_posix()}"] = data
+        files[f"{target}/{rel}"] = data
     return files
 
 
 async def _install_dir(sandbox: Sandbox, layout: _Layout, source: Path, target: str) -> None:
     """Copy a task folder into the sandbox through its file API (the oracle's solution/)."""
-    for path, data in _folder_files(layout, source, target).items():
+    for path, data in _folder_files(layout, source, target, source.parent).items():
         await sandbox.write_file(layout.write_path(path), data)
 
 
@@ -173,7 +173,8 @@ class TerminalBenchSession(EnvSession):
     async def score(self, messages: list[dict[str, Any]]) -> Reward:
         """Run tests/test.sh on the final state (`Sandbox.run_verifier`) and read the reward file it wrote."""
         tests = _Layout(self.workspace, self.task.needs_container, self.task.workdir, harbor_paths=False)
-        run = VerifierRun(command="bash /tests/test.sh", files=_folder_files(tests, self.task.path / "tests", "/tests"),
+        files = _folder_files(tests, self.task.path / "tests", "/tests", self.task.path)
+        run = VerifierRun(command="bash /tests/test.sh", files=files,
                           output_dir=REWARD_DIR, outputs=("reward.txt", "reward.json"),
                           timeout_s=self.task.verifier_timeout_s, env=dict(self.task.verifier_env or {}))
         verdict = await self.sandbox.run_verifier(run)
