@@ -6,7 +6,8 @@ was SIGKILLed) it exits and is removed by the engine when the TTL runs out. It a
 --backend docker``) removes expired ones even on an engine that lost the auto-remove (a daemon restart).
 
 Limits map to HostConfig: memory (``Memory``, with ``MemorySwap`` equal so swap adds nothing), processes
-(``PidsLimit``), open files per process (a ``nofile`` ulimit, ``max_open_files``, default 1024), CPU
+(``PidsLimit``), open files and file size per process (``nofile`` and ``fsize`` ulimits, from ``max_open_files``
+and ``max_file_bytes``), CPU
 (``NanoCpus``, from the ``cpus`` option), a size-limited tmpfs on ``/tmp`` (``tmp_bytes``, default 256 MiB;
 nosuid, nodev; its pages count against the memory limit), no network unless ``network=True``.
 
@@ -51,7 +52,6 @@ DEFAULT_IMAGE = "python:3.12-slim"
 #: other users, services it starts and stops) needs. Everything else in Docker's default set is dropped.
 TASK_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "SETUID", "SETGID", "KILL",
                      "NET_BIND_SERVICE")
-DEFAULT_MAX_OPEN_FILES = 1024  # per process; with PidsLimit it bounds the container's share of file-max
 DEFAULT_TMP_BYTES = 256 << 20
 
 
@@ -79,17 +79,14 @@ class DockerSandbox(RemoteSandbox):
     auth_hint = "check DOCKER_HOST and that this user may use the Docker engine (the docker group)"
 
     def __init__(self, *, base_url: str | None = None, image: str = DEFAULT_IMAGE, network: bool = False,
-                 cpus: float | None = None, max_open_files: int = DEFAULT_MAX_OPEN_FILES,
-                 tmp_bytes: int = DEFAULT_TMP_BYTES, api_timeout_s: float = 60.0, **kwargs: Any) -> None:
+                 cpus: float | None = None, tmp_bytes: int = DEFAULT_TMP_BYTES, api_timeout_s: float = 60.0, **kwargs: Any) -> None:
         """``image``: used when the task names none. ``network``: allow the container network (default
-        off). ``cpus``: CPU quota (NanoCpus). ``max_open_files``: the nofile ulimit per process.
-        ``tmp_bytes``: size of the tmpfs on /tmp. Other keywords: see RemoteSandbox (ttl_s, retry)."""
+        off). ``cpus``: CPU quota (NanoCpus). ``tmp_bytes``: size of the tmpfs on /tmp. Other keywords: see RemoteSandbox (ttl_s, retry)."""
         super().__init__(**kwargs)
         self.base_url = base_url
         self.default_image = image
         self.network = network
         self.cpus = cpus
-        self.max_open_files = max_open_files
         self.tmp_bytes = tmp_bytes
         self.api_timeout_s = api_timeout_s
         self.api: Any = None
@@ -151,7 +148,8 @@ class DockerSandbox(RemoteSandbox):
             "cap_drop": ["ALL"], "cap_add": list(TASK_CAPABILITIES),
             "mem_limit": limits.memory_bytes, "memswap_limit": limits.memory_bytes,
             "pids_limit": limits.max_processes,
-            "ulimits": [_docker().types.Ulimit(name="nofile", soft=self.max_open_files, hard=self.max_open_files)],
+            "ulimits": [_docker().types.Ulimit(name="nofile", soft=limits.max_open_files, hard=limits.max_open_files),
+                        _docker().types.Ulimit(name="fsize", soft=limits.max_file_bytes, hard=limits.max_file_bytes)],
             "tmpfs": {"/tmp": f"rw,nosuid,nodev,mode=1777,size={self.tmp_bytes}"},
             "nano_cpus": int(self.cpus * 1e9) if self.cpus else None,
             "network_mode": None if self.network else "none",

@@ -47,8 +47,8 @@ def bare_container_probe() -> dict[str, str]:
 
 def sandbox_probe() -> dict[str, str]:
     async def episode() -> dict[str, str]:
-        async with DockerSandbox(base_url=URL, image=IMAGE, max_open_files=512, tmp_bytes=64 << 20) as sb:
-            await sb.start(SandboxSpec(limits=SandboxLimits(max_processes=64)))
+        async with DockerSandbox(base_url=URL, image=IMAGE, tmp_bytes=64 << 20) as sb:
+            await sb.start(SandboxSpec(limits=SandboxLimits(max_processes=64, max_open_files=512)))
             result = await sb.exec(PROBE, timeout_s=30)
             assert result.exit_code == 0, result.stderr
             return parse(result.stdout)

@@ -78,7 +78,7 @@ def create_request(engine: FakeDockerEngine, **options) -> dict:
     """The body of the create request one started sandbox sent to the engine."""
     async def episode() -> dict:
         async with DockerSandbox(base_url=engine.base_url, **options) as sb:
-            await sb.start(SandboxSpec(limits=SandboxLimits(memory_bytes=512 << 20, max_processes=64)))
+            await sb.start(SandboxSpec(limits=SandboxLimits(memory_bytes=512 << 20, max_processes=64, max_open_files=512)))
             return copy.deepcopy(engine.containers[sb.handle].body)
 
     return run(episode())
@@ -110,13 +110,14 @@ def test_the_detector_fires_on_an_unhardened_request(engine):
 
 
 def test_every_container_is_created_isolated(engine):
-    body = create_request(engine, max_open_files=512, tmp_bytes=64 << 20)
+    body = create_request(engine, tmp_bytes=64 << 20)
     assert isolation_problems(body) == []
     host = body["HostConfig"]
     assert not host.get("Privileged") and host["CapDrop"] == ["ALL"]
     assert sorted(host["CapAdd"]) == sorted(TASK_CAPABILITIES)
     assert (host["Memory"], host["MemorySwap"], host["PidsLimit"]) == (512 << 20, 512 << 20, 64)
-    assert host["Ulimits"] == [{"Name": "nofile", "Soft": 512, "Hard": 512}]
+    assert host["Ulimits"] == [{"Name": "nofile", "Soft": 512, "Hard": 512},
+                               {"Name": "fsize", "Soft": 256 << 20, "Hard": 256 << 20}]
     assert host["Tmpfs"] == {"/tmp": f"rw,nosuid,nodev,mode=1777,size={64 << 20}"}
 
 
