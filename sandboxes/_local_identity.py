@@ -5,8 +5,9 @@ root (CI, containers, most GPU nodes) that would be the host's uid 0: files unde
 only the writer's uid become writable (``kernel.core_pattern`` then runs a workspace script on the
 host as root), root's kernel keys readable. So a root caller starts every sandbox process as an
 unprivileged host uid/gid of its own -- one per sandbox, drawn from a range far above ordinary and
-subordinate ids (``SANDBOX_UID_BASE``) -- through ``setpriv`` with supplementary groups cleared and the
-capability bounding set emptied. An ordinary caller already is an unprivileged uid and runs as itself.
+subordinate ids (``SANDBOX_UID_BASE``) -- with no supplementary groups and no capabilities: commands
+through the spawner's uid switch (``_local_spawn``), the storage holder and the cgroup-v2 fallback
+through ``setpriv``, which also empties the bounding set. An ordinary caller runs as itself.
 
 Host-side file access (the trainer writing task files, reading results) runs as that uid too:
 `as_fs_user` switches the calling thread's filesystem ids (``setfsuid(2)`` is per thread), so every
