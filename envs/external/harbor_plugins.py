@@ -13,6 +13,11 @@ trial root is resolved and refused if it leaves the root (`_inside`), files are 
 rather than through it, and downloads leave links out. Uploads come from the task folder, which is
 downloaded and untrusted too: a link in it that leaves the folder is refused (`_refuse_links_out`).
 
+Identity. Every exec runs in a user namespace as uid 0 *inside*; when miles-agent runs as root, bwrap
+itself first drops to an unprivileged host uid of the trial's own (``setpriv``), which owns the trial
+root, so root in the trial is never the host's root (a writable /proc/sys, root's keys). /proc/sys is
+bound read-only on top all the same.
+
 `ProxyShellAgent`: a Harbor agent that asks an OpenAI-compatible endpoint (our proxy) for shell
 commands, runs each in the environment and shows the output back, for a few turns.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +34,8 @@ from pathlib import Path
 from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.models.agent.context import AgentContext
+
+SANDBOX_UID_BASE = 1_700_000_000  # as the local sandbox's (sandboxes/_local_identity.py): no real user's
 
 
 class LocalEnvironment(BaseEnvironment):
@@ -52,17 +60,35 @@ class LocalEnvironment(BaseEnvironment):
 
     def _write_file(self, source: Path, target: str) -> None:
         dest = self._inside(target)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        self._mkdirs(dest.parent)
         if dest.is_symlink():
             dest.unlink()  # a link the agent left there: replace it, do not write through it
         shutil.copy2(source, dest)
+        self._own(dest)
+
+    def _mkdirs(self, path: Path) -> None:
+        missing = []
+        while not path.exists() and path != self._root:
+            missing.append(path)
+            path = path.parent
+        for d in reversed(missing):
+            d.mkdir()
+            self._own(d)
+
+    def _own(self, path: Path) -> None:
+        """Give what the host wrote to the trial's uid (a root caller's files would be unwritable inside)."""
+        if self._uid is not None:
+            os.lchown(path, self._uid, self._uid)
 
     async def start(self, force_build: bool) -> None:
         self._root = Path(tempfile.mkdtemp(prefix="harbor-local-"))
+        self._uid = SANDBOX_UID_BASE + secrets.randbelow(1 << 20) if os.geteuid() == 0 else None
         for d in ("tmp", "root", "app", "logs/agent", "logs/verifier", "logs/artifacts", "usr", "etc", "proc", "dev"):
-            self._path(d).mkdir(parents=True, exist_ok=True)
+            self._mkdirs(self._path(d))
         for link in ("bin", "lib", "lib64", "sbin"):  # as on merged-/usr hosts; made once, not per exec
             os.symlink(f"usr/{link}", self._path(link))
+            self._own(self._path(link))
+        self._own(self._root)
         if self.environment_dir.is_dir():  # the files a file-only Dockerfile copies in
             await self.upload_dir(self.environment_dir, "/app")
             for name in ("Dockerfile", ".dockerignore"):
@@ -87,7 +113,7 @@ class LocalEnvironment(BaseEnvironment):
         dest = self._inside(target)
         if dest.is_symlink():
             dest.unlink()  # a link the agent left where the folder goes
-        dest.mkdir(parents=True, exist_ok=True)
+        self._mkdirs(dest)
         for entry in sorted(os.scandir(real_dir), key=lambda e: e.name):
             src, sub = Path(entry.path).resolve(), f"{target.rstrip('/')}/{entry.name}"
             if src.is_dir():
@@ -112,9 +138,12 @@ class LocalEnvironment(BaseEnvironment):
 
     async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
                    timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
-        argv = ["bwrap", "--bind", str(self._root), "/", "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc",
-                "--proc", "/proc", "--dev", "/dev", "--unshare-net",
-                "--unshare-pid", "--die-with-parent", "--chdir", cwd or "/app", "bash", "-c", command]
+        drop = [] if self._uid is None else ["setpriv", f"--reuid={self._uid}", f"--regid={self._uid}",
+                                             "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--"]
+        argv = [*drop, "bwrap", "--unshare-user", "--uid", "0", "--gid", "0", "--bind", str(self._root), "/",
+                "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc", "--proc", "/proc",
+                "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev", "--unshare-net", "--unshare-pid",
+                "--unshare-ipc", "--die-with-parent", "--chdir", cwd or "/app", "bash", "-c", command]
         base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
         proc = await asyncio.create_subprocess_exec(*argv, env={**base, **(env or {})},
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
