@@ -115,6 +115,7 @@ class Sandbox(ABC):
         machine: its folders are removed and made afresh as root first, and a step that fails because
         of what the agent left is a `setup_error`. A `SandboxError` (the backend itself failed) still
         propagates. The local sandbox overrides it with staging from the host side."""
+        await self.end_agent_processes()
         dirs = sorted({run.output_dir, *(posixpath.dirname(p) for p in run.files)})
         roots = sorted({"/" + p.strip("/").split("/")[0] for p in [*run.files, run.output_dir]})
         fresh = "/tmp/.miles-verifier"
@@ -130,14 +131,25 @@ class Sandbox(ABC):
             return VerifierResult(None, setup_error=f"staging the verifier's files: {e}")
         env = {**VERIFIER_PYTHON_ENV, "HOME": fresh + "/home", "TMPDIR": fresh + "/tmp", **run.env}
         result = await self.exec(run.command, timeout_s=run.timeout_s, env=env)
+        # Which outputs exist, asked first: remote backends report a missing file as a SandboxError.
+        names = " ".join(shlex.quote(n) for n in run.outputs)
+        listed = await self.exec(f"cd {shlex.quote(run.output_dir)} 2>/dev/null && for n in {names}; do "
+                                 '[ -f "$n" ] && [ ! -L "$n" ] && echo "$n"; done; true', timeout_s=30)
         outputs = {}
-        for name in run.outputs:
+        for name in (n for n in listed.stdout.splitlines() if n in run.outputs):
             try:
                 data = await self.read_file(posixpath.join(run.output_dir, name))
             except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
                 continue
             outputs[name] = data[:run.max_output_file_bytes]
         return VerifierResult(result, outputs)
+
+    async def end_agent_processes(self) -> None:
+        """Kill what the agent left running (a loop rewriting the reward file) before a verifier runs.
+        Backends that can tell the agent's processes from their own override it; the local sandbox needs
+        nothing (a command's processes die with it). The cost: a service the agent started is down
+        when the tests look for it -- tests must start what they check."""
+        return None
 
     @abstractmethod
     async def stop(self) -> None:

@@ -139,6 +139,15 @@ class DockerSandbox(RemoteSandbox):
         self.call("start container", self.api.start, self.handle)
         self.call("make workspace", self._mkdir, WORKDIR)
 
+    async def end_agent_processes(self) -> None:
+        """SIGKILL every process of the container but its main one (our ``sleep``) and this command's own
+        chain. Guarded on PID 1 being our ``sleep``, so it can never run where PID 1 is not ours."""
+        ttl = int(self.ttl_s)
+        script = (f'[ "$(tr "\\0" " " < /proc/1/cmdline)" = "sleep {ttl} " ] || exit 0; '
+                  'for d in /proc/[0-9]*; do p=${d#/proc/}; '
+                  'case $p in 1|$$|$PPID) ;; *) kill -9 "$p" 2>/dev/null;; esac; done; true')
+        await self.exec(script, timeout_s=30)
+
     def _host_config(self, limits: SandboxLimits) -> dict[str, Any]:
         """HostConfig keywords: the limits and the isolation described in the module docstring. Nothing
         here may name a host path (no binds, volumes, devices) or a host namespace."""
