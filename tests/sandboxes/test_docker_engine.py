@@ -7,6 +7,7 @@ bare container made with the engine's defaults (to show it detects what it looks
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -69,3 +70,25 @@ def test_the_sandbox_container_is_isolated():
     assert ours["NoNewPrivs"] == "1" and ours["nofile"] == "512" and ours["tmp"] == "tmpfs"
     assert ours["sysctl_write"] != "0" and ours["mknod"] != "0"  # /proc/sys read-only, no device nodes
     assert ours["nics"] == "lo,"
+
+
+def test_an_agents_background_process_cannot_forge_the_verdict(monkeypatch):
+    """A setsid loop rewriting reward.txt: it fools a verifier run beside it, and is gone before ours."""
+    from miles_agent.envs.terminal_bench import TerminalBenchEnv
+
+    forge = ("setsid bash -c 'while :; do mkdir -p /logs/verifier; echo 1 > /logs/.r && mv -f /logs/.r "
+             "/logs/verifier/reward.txt; sleep 0.01; done' > /dev/null 2>&1 < /dev/null &")  # atomic: never half-read
+
+    async def unsolved_with_forger() -> float:
+        env = TerminalBenchEnv(sandbox="docker")
+        task = next(t for t in env.tasks("all") if t.id == "hello-file")
+        async with DockerSandbox(base_url=URL, image=IMAGE) as sb:
+            await sb.start(env.sandbox_spec(task))
+            session = await env.open(task, sb)
+            await session.call_tool("bash", {"command": forge})
+            return (await session.score([])).value
+
+    with monkeypatch.context() as m:  # the detector: without ending the agent's processes it wins
+        m.setattr(DockerSandbox, "end_agent_processes", lambda self: asyncio.sleep(0))
+        assert run(unsolved_with_forger()) == 1.0
+    assert run(unsolved_with_forger()) == 0.0
