@@ -94,13 +94,13 @@ class HarnessContract:
         assert policy.completions, "the harness never called the policy"
 
     def test_learns_exactly_what_the_policy_sampled(self, episode) -> None:
+        """Every sampled token trains, once, in order (no limit binds within ``limits``)."""
         trajs, policy, _ = episode
         sampled = [i for t in trajs for i, m in zip(t.response_ids, t.loss_mask) if m]
         logps = [lp for t in trajs for lp, m in zip(t.rollout_logprobs, t.loss_mask) if m]
         returned = [i for c in policy.completions for i in c.output_ids]
-        assert sampled == returned[:len(sampled)] and sampled, \
-            "the loss-masked tokens are not the sampled tokens, in order"
-        assert logps == [lp for c in policy.completions for lp in c.output_logprobs][:len(logps)], \
+        assert sampled and sampled == returned, "the loss-masked tokens are not the sampled tokens, in order"
+        assert logps == [lp for c in policy.completions for lp in c.output_logprobs], \
             "rollout logprobs are not the engine's"
 
     def test_trajectories_carry_the_verifiers_reward(self, episode) -> None:
