@@ -16,12 +16,19 @@ Each check raises AssertionError naming what broke. Suites: `TrainerContract`, `
 `WeightTransportContract`, `SandboxContract`, `EnvironmentContract`, `HarnessContract`.
 """
 
-from miles_agent.testing.contracts.engine import EngineContract
-from miles_agent.testing.contracts.environment import EnvironmentContract
-from miles_agent.testing.contracts.harness import HarnessContract
-from miles_agent.testing.contracts.sandbox import SandboxContract
-from miles_agent.testing.contracts.trainer import TrainerContract
-from miles_agent.testing.contracts.transport import WeightTransportContract
+from __future__ import annotations
 
-__all__ = ["EngineContract", "EnvironmentContract", "HarnessContract", "SandboxContract", "TrainerContract",
-           "WeightTransportContract"]
+from importlib import import_module
+from typing import Any
+
+# suite -> module; imported on first use, so the env-side suites (environment, sandbox) import without torch
+_SUITES = {"EngineContract": "engine", "EnvironmentContract": "environment", "HarnessContract": "harness",
+           "SandboxContract": "sandbox", "TrainerContract": "trainer", "WeightTransportContract": "transport"}
+
+__all__ = sorted(_SUITES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SUITES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_SUITES[name]}"), name)
