@@ -1,9 +1,9 @@
 """The Megatron-core trainer backend: same contract and the same losses as the FSDP2 trainer.
 
 The policy arrives as an HF model (what ``load_policy`` builds); its weights are converted once into
-this rank's shard of a Megatron GPTModel (bridge.py, sharding.py). A step lays the batch out with the
-FSDP2 trainer's micro-batch code, computes logprobs with Megatron's vocab-parallel cross entropy, and
-applies ``compute_loss`` from miles_agent.algorithms -- so an algorithm never knows the backend.
+this rank's shard of a Megatron GPTModel (bridge.py, sharding.py). The step is the FSDP2 trainer's
+(``policy_trainer.PolicyTrainer``): this backend supplies logprobs from Megatron's vocab-parallel cross
+entropy, gradient completion and the sharded norm -- so an algorithm never knows the backend.
 Weights leave in the engine's HF names (``named_weights``), so every weight-sync transport works.
 
 Parallelism: tensor, expert, data and pipeline parallel (Megatron's 1F1B schedule, ``pipeline.py``);
