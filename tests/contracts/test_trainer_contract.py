@@ -1,12 +1,18 @@
-"""The trainer contract against FSDP2 and Megatron (CPU), and against trainers broken on purpose."""
+"""The trainer contract against FSDP2 and Megatron (CPU), a minimal third backend built on PolicyTrainer,
+and trainers broken on purpose."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+from miles_agent.models.builder import save_hf
 from miles_agent.testing.contracts import TrainerContract
 from miles_agent.testing.contracts.trainer import trainer_factory
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
+from miles_agent.trainers.policy_trainer import PolicyTrainer, local_grad_norm
 
 
 class TestFSDP2Trainer(TrainerContract):
@@ -22,6 +28,64 @@ class TestMegatronTrainer(TrainerContract):
         from miles_agent.trainers.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer
+
+
+class PlainTrainer(PolicyTrainer):
+    """A third backend: one process, no sharding, no process group. The step is PolicyTrainer's; this is
+    only the five hooks and the weights' way in and out."""
+
+    def __init__(self, model, tokenizer, train, algo, *, temperature=1.0):
+        super().__init__(tokenizer, train, algo, temperature)
+        self.device, self.rank, self.dp_rank, self.dp_size = torch.device("cpu"), 0, 0, 1
+        self.model, self.ref_model = model, None
+        self._init_optimizer()
+
+    def _forward_logprobs(self, model, mb, entropy=False, entropy_grad=False):
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep, use_cache=False)
+        logp_all = torch.log_softmax(out.logits[:, :-1].float() / self.temperature, dim=-1)
+        ent = None
+        if entropy:
+            src = logp_all if entropy_grad else logp_all.detach()
+            ent = -(src.exp() * src).sum(-1)
+        return logp_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1), ent
+
+    def _backward(self, loss):
+        loss.backward()
+
+    def _reduce_grads(self):
+        pass  # one process: the gradients are complete
+
+    def _grad_norm(self):
+        return local_grad_norm(list(self.model.parameters()))
+
+    def _dp_group(self):
+        return None
+
+    def named_weights(self):
+        yield from self.model.state_dict().items()
+
+    def save_checkpoint(self, path):
+        Path(path).mkdir(parents=True)
+        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "step": self.step},
+                   Path(path) / "state.pt")
+
+    def load_checkpoint(self, path):
+        state = torch.load(Path(path) / "state.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.step = state["step"]
+
+    def save_hf(self, path):
+        save_hf(self.model, self.tokenizer, path)
+
+    def close(self):
+        pass
+
+
+class TestPlainTrainer(TrainerContract):
+    @pytest.fixture
+    def trainer_class(self):
+        return PlainTrainer
 
 
 class FrozenTrainer(FSDP2Trainer):

@@ -18,7 +18,7 @@ import torch
 
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
-from miles_agent.trainer import TrainBatch, Trainer
+from miles_agent.trainer import OffloadableTrainer, TrainBatch, Trainer
 from miles_agent.types import Trajectory
 
 PROMPTS = ([5, 17, 33, 60, 72], [9, 41, 12], [80, 3, 3, 27, 54, 61, 90])
@@ -147,3 +147,17 @@ class TrainerContract:
         again = weights(trainer)
         differ = [k for k in stepped if not torch.allclose(stepped[k], again[k], rtol=1e-5, atol=1e-7)]
         assert not differ, f"a step after load_checkpoint differs from the step after save at {differ[:3]}"
+
+    def test_offload_then_reload_gives_back_the_same_trainer(self, make_trainer) -> None:
+        """Only for trainers that can offload (``OffloadableTrainer``, ``train.offload``)."""
+        trainer = make_trainer()
+        if not isinstance(trainer, OffloadableTrainer):
+            pytest.skip(f"{type(trainer).__name__} does not offload")
+        before = weights(trainer)
+        trainer.offload()
+        assert trainer.memory.offloaded and trainer.memory.resident_bytes() == 0, "offload kept device memory"
+        trainer.reload()
+        assert not trainer.memory.offloaded
+        after = weights(trainer)
+        assert all(torch.equal(before[k], after[k]) for k in before), "reload did not restore the weights bit for bit"
+        assert math.isfinite(trainer.train_step(tiny_batch())["loss"]), "no step after reload"
