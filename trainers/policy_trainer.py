@@ -27,6 +27,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,6 +144,22 @@ class PolicyTrainer(ABC):
     @abstractmethod
     def _dp_group(self) -> Any:
         """The process group whose ranks hold different data (metric shares are summed over it)."""
+
+    # -- the weights' way out and in (sharding-specific; see miles_agent.trainer.Trainer) ----------------
+    @abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]: ...
+
+    @abstractmethod
+    def save_checkpoint(self, path: Path) -> None: ...
+
+    @abstractmethod
+    def load_checkpoint(self, path: Path) -> None: ...
+
+    @abstractmethod
+    def save_hf(self, path: Path) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
 
     # -- overridable defaults -----------------------------------------------------------------------
     def _build_micro_batches(self, trajectories: Sequence[Trajectory], plan: list[list[int]],
