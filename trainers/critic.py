@@ -15,7 +15,6 @@ tokens, with the same mini-batching as the policy (``train.mini_batches`` x ``tr
 from __future__ import annotations
 
 import copy
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from miles_agent.algorithms.losses import aggregate
 from miles_agent.config import AlgoConfig, TrainConfig
@@ -34,6 +32,7 @@ from miles_agent.trainers import checkpoint as ckpt
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
 from miles_agent.trainers.fsdp2 import init_distributed, shard
 from miles_agent.trainers.minibatch import split_mini_batches, to_grid
+from miles_agent.trainers.policy_trainer import clip_and_step, local_grad_norm
 from miles_agent.types import Trajectory
 
 
@@ -131,15 +130,8 @@ class CriticTrainer:
                 "value_grad_norm": sum(grad_norms) / n}
 
     def _clip_and_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
-        total = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        grad_norm = float(total)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        params = list(self.model.parameters())
+        grad_norm = clip_and_step(self.optimizer, params, local_grad_norm(params), self.train_cfg.grad_clip)
         self.step += 1
         return grad_norm
 

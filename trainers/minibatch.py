@@ -5,20 +5,20 @@ With ``train.mini_batches = n`` the rollout batch is cut into ``n`` shares, one 
 so from the second on the PPO ratio moves away from 1 and the clip (and the mismatch corrections)
 start to bind. Shares keep a group's sequences together where the sizes allow, so group-level loss
 aggregation sees whole groups. Each share is normalized by its own token / sequence / group counts:
-every optimizer step is the mean over its own data.
+every optimizer step is the mean over its own data. ``PolicyTrainer.plan_steps`` (policy_trainer.py)
+lays a batch out with these functions; the critic uses them directly.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from miles_agent.algorithms.losses import group_row_weights
-from miles_agent.trainers.batching import MicroBatch, rank_plan
+from miles_agent.trainers.batching import MicroBatch
 from miles_agent.types import Trajectory
 
 
@@ -90,22 +90,3 @@ def step_metrics(values: dict[str, float], abs_max: float, grad_norms: Sequence[
                skipped_step=float(len(grad_norms) - len(finite)))
     return out
 
-
-def plan_optimizer_steps(trainer: Any, batch: Any, dp_size: int, dp_rank: int) -> list[tuple]:
-    """Per mini-batch: (this data-parallel rank's micro-batches, their old logprobs, their reference
-    logprobs, the mini-batch's normalizers) -- the layout the FSDP2 and Megatron trainers both step
-    through. Old and reference logprobs are computed here, once, before any optimizer step changes the
-    model. ``trainer`` gives ``train_cfg``, ``algo``, ``model``, ``ref_model``, ``_micro_batches`` and
-    ``_given_or_computed``."""
-    trajs, cfg, algo = batch.trajectories, trainer.train_cfg, trainer.algo
-    lengths = [len(t.tokens) for t in trajs]
-    steps = []
-    for mini in split_mini_batches([t.group_id for t in trajs], cfg.mini_batches):
-        plan = [[mini[j] for j in mb] for mb in rank_plan([lengths[i] for i in mini], cfg.micro_batch_tokens,
-                                                            dp_size, dp_rank)]
-        mbs = trainer._micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
-        olds = trainer._given_or_computed(mbs, batch.old_logprobs, None if algo.use_rollout_logprobs
-                                          else trainer.model)
-        refs = trainer._given_or_computed(mbs, batch.ref_logprobs, trainer.ref_model)
-        steps.append((mbs, olds, refs, normalizers(trajs, mini, algo.loss_agg)))
-    return steps

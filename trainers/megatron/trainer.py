@@ -1,9 +1,9 @@
 """The Megatron-core trainer backend: same contract and the same losses as the FSDP2 trainer.
 
 The policy arrives as an HF model (what ``load_policy`` builds); its weights are converted once into
-this rank's shard of a Megatron GPTModel (bridge.py, sharding.py). A step lays the batch out with the
-FSDP2 trainer's micro-batch code, computes logprobs with Megatron's vocab-parallel cross entropy, and
-applies ``compute_loss`` from miles_agent.algorithms -- so an algorithm never knows the backend.
+this rank's shard of a Megatron GPTModel (bridge.py, sharding.py). The step is the FSDP2 trainer's
+(``policy_trainer.PolicyTrainer``): this backend supplies logprobs from Megatron's vocab-parallel cross
+entropy, gradient completion and the sharded norm -- so an algorithm never knows the backend.
 Weights leave in the engine's HF names (``named_weights``), so every weight-sync transport works.
 
 Parallelism: tensor, expert, data and pipeline parallel (Megatron's 1F1B schedule, ``pipeline.py``);
@@ -16,7 +16,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,40 +24,28 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_agent.algorithms import mismatch
 from miles_agent.algorithms.estimators import needs_reference
-from miles_agent.algorithms.losses import loss_options, validate_options
 from miles_agent.atomic import replace_dir
 from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
 from miles_agent.errors import UserError, require
-from miles_agent.trainer import TrainBatch
-from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches
+from miles_agent.trainers.batching import MicroBatch
 from miles_agent.trainers.fsdp2 import init_distributed
-from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.trainers.megatron import bridge
 from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded_vocab
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
-from miles_agent.trainers.minibatch import plan_optimizer_steps, step_metrics, to_grid
-from miles_agent.trainers.offload import DeviceOffload
+from miles_agent.trainers.policy_trainer import OptimizerStep, PolicyTrainer
 from miles_agent.trainers.step_loss import micro_batch_loss
-from miles_agent.types import Trajectory
 
 
-class MegatronTrainer:
-    """Algorithm-blind policy trainer on Megatron-core (see ``miles_agent.trainer.Trainer``)."""
+class MegatronTrainer(PolicyTrainer):
+    """Algorithm-blind policy trainer on Megatron-core (the step is ``PolicyTrainer``'s; these are its hooks)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, train: TrainConfig, algo: AlgoConfig, *,
                  temperature: float = 1.0, device: str = "cpu", megatron: MegatronConfig | None = None) -> None:
         require("megatron.core", "megatron", "the Megatron-core trainer backend")
         from megatron.core import parallel_state as ps
 
-        validate_options(algo)
-        mismatch.check_options(algo)
-        if train.mini_batches < 1 or train.ppo_epochs < 1:
-            raise UserError(f"train.mini_batches and train.ppo_epochs must be >= 1 (got {train.mini_batches}, "
-                            f"{train.ppo_epochs})")
-        if not temperature > 0:
-            raise UserError(f"temperature must be > 0 (got {temperature}); logits are divided by it")
+        super().__init__(tokenizer, train, algo, temperature)
         for name in ("routing_replay", "true_on_policy"):
             if getattr(algo, name):
                 raise UserError(f"algo.{name} is implemented by the fsdp2 trainer only; set train.backend=fsdp2 "
@@ -74,12 +62,12 @@ class MegatronTrainer:
         if self.sizes.pipeline > 1 and self.spec.is_moe and not torch.cuda.is_available():
             raise UserError("megatron.pipeline_parallel > 1 with an MoE model needs Megatron's alltoall token "
                             "dispatcher, which needs CUDA; on CPU use tensor/expert/data parallelism for MoE")
-        self.train_cfg, self.algo, self.temperature = train, algo, float(temperature)
-        self.tokenizer, self.device = tokenizer, torch.device(device)
+        self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._owns_group = init_distributed(self.device, train.world_size)  # the FSDP2 backend's join-or-create
+        self.rank = dist.get_rank()
         self.sizes.check(self.spec, dist.get_world_size())
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(self.sizes.tensor, self.sizes.pipeline,
@@ -104,14 +92,7 @@ class MegatronTrainer:
         if needs_reference(algo):  # a frozen copy of the initial policy, sharded the same way (not saved)
             self.ref_model = self._build_loaded(local, dtype).requires_grad_(False).eval()
         del local
-        self.on_micro_batch: Callable[[int, int], None] | None = None  # (done, total): the live view's hook
-        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
-                                           eps=train.adam_eps, weight_decay=train.weight_decay)
-        self._loss_opts = loss_options(algo)
-        self.step = 0
-        lr_at(train, 0)
-        self.memory = DeviceOffload(lambda: (self.model, self.ref_model), self.optimizer, self.device)
+        self._init_optimizer()
 
     def _build_loaded(self, local: dict[str, Tensor], dtype: torch.dtype) -> torch.nn.Module:
         """This rank's GPTModel holding ``local`` (its shard of the converted weights)."""
@@ -132,8 +113,8 @@ class MegatronTrainer:
         causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=ids.device), 1)[None, None]
         return model(ids, positions, causal)
 
-    def _logp(self, model: torch.nn.Module, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
-              ) -> tuple[Tensor, Tensor | None]:
+    def _forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch, entropy: bool = False,
+                          entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         return self._logits_logp(self._forward(model, mb), mb, entropy, entropy_grad)
 
     def _logits_logp(self, output: Tensor, mb: MicroBatch, entropy: bool = False, entropy_grad: bool = False
@@ -195,18 +176,12 @@ class MegatronTrainer:
         p_z = tp_sum((e * torch.where(finite, z, torch.zeros((), device=z.device))).sum(-1)) / total
         return lse - p_z
 
-    def _micro_batches(self, trajectories: Sequence[Trajectory], plan: list[list[int]],
-                       advantages: Sequence[Sequence[float]] | None,
-                       teacher: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
-        return [build_micro_batch(trajectories, idx, advantages, self.pad_id, teacher).to(self.device)
-                for idx in plan]
-
     @torch.no_grad()
-    def _no_grad_logps(self, model: torch.nn.Module, mbs: Sequence[MicroBatch]) -> list[Tensor]:
+    def _no_grad_logprobs(self, model: torch.nn.Module, mbs: Sequence[MicroBatch]) -> list[Tensor]:
         """Every micro-batch's logprobs, on every rank (pipeline: computed on the last stage, broadcast)."""
-        model.eval()
         if self.sizes.pipeline == 1:
-            return [self._logp(model, mb)[0] for mb in mbs]
+            return super()._no_grad_logprobs(model, mbs)
+        model.eval()
         from miles_agent.trainers.megatron import pipeline
 
         def loss_func(mb: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -217,84 +192,28 @@ class MegatronTrainer:
         return pipeline.from_last_stage([o["logp"] for o in outs] if outs else None,
                                         [mb.targets.shape for mb in mbs], self.device)
 
-    def compute_logprobs(self, trajectories: Sequence[Trajectory], reference: bool = False) -> list[list[float]]:
-        """Current-policy (or, with ``reference``, reference-policy) logprob per response position
-        (0.0 where the model did not sample). Every rank computes all trajectories (a collective)."""
-        model = self.model
-        if reference:
-            if self.ref_model is None:
-                raise ValueError("no reference model: it exists only with algo.kl_coef or algo.kl_reward_coef > 0")
-            model = self.ref_model
-        lengths = [len(t.tokens) for t in trajectories]
-        plan = pack_micro_batches(range(len(trajectories)), lengths, self.train_cfg.micro_batch_tokens)
-        out: list[list[float]] = [[] for _ in trajectories]
-        mbs = self._micro_batches(trajectories, plan, None)
-        for mb, logp in zip(mbs, self._no_grad_logps(model, mbs)):
-            for i, row in zip(mb.indices, mb.rows_to_lists(logp)):
-                out[i] = row
-        return out
+    # -- hooks: backward, gradients, metrics ------------------------------------------------------
+    def _backward(self, loss: Tensor) -> None:
+        loss.backward()  # each data-parallel rank's loss is its share of the global sum (_reduce_grads)
 
-    # -- the step -----------------------------------------------------------------------------------
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """``train.mini_batches`` x ``train.ppo_epochs`` optimizer steps, laid out exactly as the FSDP2
-        trainer lays them out (``minibatch``): the old and reference logprobs are computed once, before the
-        first step; each step's loss is normalized by its own share. Metrics are means over the steps."""
-        trajs, cfg = batch.trajectories, self.train_cfg
-        steps = plan_optimizer_steps(self, batch, self.dp_size, self.dp_rank)  # per mini-batch: mbs, olds, refs, norms
-        self.model.train()
-        sums: dict[str, Tensor] = {}
-        grad_norms = []
-        done, total = 0, cfg.ppo_epochs * sum(len(step[0]) for step in steps)
-        for epoch in range(cfg.ppo_epochs):
-            for m, (mbs, olds, refs, norm) in enumerate(steps):
-                self.optimizer.zero_grad(set_to_none=True)
-                # the mismatch is measured where the trainer's pre-update logprobs are known
-                measure = epoch == 0 and (olds[0] is not None or m == 0)
-                for metrics in self._backward_micro_batches(mbs, olds, refs, norm, measure):
-                    for k, v in metrics.items():
-                        sums[k] = torch.maximum(sums[k], v) if k == "mismatch/abs_max" and k in sums \
-                            else sums.get(k, 0.0) + v
-                    done += 1
-                    if self.on_micro_batch is not None:
-                        self.on_micro_batch(done, total)
-                grad_norms.append(self._clip_and_step())
-        return self._reduce_metrics(sums, grad_norms, len(steps), trajs)
-
-    def _given_or_computed(self, mbs: Sequence[MicroBatch], rows: list[list[float]] | None,
-                           model: torch.nn.Module | None) -> list[Tensor | None]:
-        """Per micro-batch: the driver's rows laid on the grid, else ``model``'s logprobs, else None."""
-        if rows is not None:
-            return [to_grid(mb, rows) for mb in mbs]
-        if model is None:
-            return [None] * len(mbs)
-        return self._no_grad_logps(model, mbs)
-
-    def _backward_micro_batches(self, mbs: Sequence[MicroBatch], olds: Sequence[Tensor | None],
-                                refs: Sequence[Tensor | None], norm: dict, measure: bool
-                                ) -> Iterator[dict[str, Tensor]]:
-        """Forward and backward of one optimizer step's micro-batches; their metric shares (with pipeline
-        parallelism: Megatron's 1F1B schedule, the metrics on the last stage only)."""
-        entropy_grad = self.algo.entropy_coef != 0
+    def _backward_micro_batches(self, step: OptimizerStep, measure: bool) -> Iterator[dict[str, Tensor]]:
+        """With pipeline parallelism: Megatron's 1F1B schedule, the metrics on the last stage only."""
         if self.sizes.pipeline == 1:
-            for mb, old, ref in zip(mbs, olds, refs):
-                logp, entropy = self._logp(self.model, mb, entropy=True, entropy_grad=entropy_grad)
-                loss, metrics = micro_batch_loss(self.algo, self._loss_opts, logp, entropy, mb, old, ref, norm,
-                                                 measure)
-                loss.backward()  # each data-parallel rank's loss is its share of the global sum (_sync_grads)
-                yield metrics
+            yield from super()._backward_micro_batches(step, measure)
             return
         from miles_agent.trainers.megatron import pipeline
 
-        extra = {id(mb): (old, ref) for mb, old, ref in zip(mbs, olds, refs)}
+        entropy_grad, norm = self.algo.entropy_coef != 0, step.norm
+        extra = {id(mb): (old, ref) for mb, old, ref in zip(step.micro_batches, step.olds, step.refs)}
 
         def loss_func(mb: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
             logp, entropy = self._logits_logp(output, mb, entropy=True, entropy_grad=entropy_grad)
             return micro_batch_loss(self.algo, self._loss_opts, logp, entropy, mb, *extra[id(mb)], norm,
                                     measure)
 
-        yield from pipeline.run(self.model, mbs, self._forward, loss_func, forward_only=False)
+        yield from pipeline.run(self.model, step.micro_batches, self._forward, loss_func, forward_only=False)
 
-    def _sync_grads(self) -> None:
+    def _reduce_grads(self) -> None:
         """Complete the gradients Megatron leaves partial (its ``finalize_model_grads`` rules, without its
         DDP wrapper): replicated weights that see only this rank's heads (q/k norms) or sequence shard
         are summed over tensor-parallel ranks; then every gradient is summed over data-parallel ranks
@@ -327,14 +246,11 @@ class MegatronTrainer:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
 
-    def _clip_and_step(self) -> float:
-        """Sum the gradients over data-parallel ranks, clip by the global norm over the model-parallel
-        shards (replicated tensors counted once), step; a non-finite norm skips the step."""
+    def _grad_norm(self) -> Tensor:
+        """The global norm over the model-parallel shards: dense weights are distinct over the tensor x
+        pipeline ranks (TP-replicated ones counted once), experts over expert-tensor x expert x pipeline."""
         from megatron.core import parallel_state as ps
 
-        self._sync_grads()
-        # dense weights: distinct shards over the model-parallel (tensor x pipeline) ranks, TP-replicated
-        # ones counted once; expert weights: distinct over the expert-tensor x expert x pipeline ranks
         dense, experts = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for name, p in self.model.named_parameters():
             if p.grad is None:
@@ -349,43 +265,22 @@ class MegatronTrainer:
             dist.all_reduce(dense, group=ps.get_model_parallel_group())
             if self.spec.is_moe:
                 dist.all_reduce(experts, group=ps.get_expert_tensor_model_pipeline_parallel_group())
-        sq = dense + experts
-        grad_norm = float(sq.sqrt())
-        max_norm = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else math.inf
-        if math.isfinite(grad_norm):
-            if grad_norm > max_norm:
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(max_norm / (grad_norm + 1e-6))
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr_at(self.train_cfg, self.step)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return grad_norm
+        return (dense + experts).sqrt()
 
-    def _reduce_metrics(self, sums: dict[str, Tensor], grad_norms: list[float], n_minis: int,
-                        trajs: Sequence[Trajectory]) -> dict[str, float]:
-        """Sum the metric shares over data-parallel ranks (tensor-parallel ranks hold the same values),
-        then the FSDP2 trainer's summary (``minibatch.step_metrics``)."""
+    def _dp_group(self) -> Any:
         from megatron.core import parallel_state as ps
 
-        mx = sums.pop("mismatch/abs_max", torch.zeros((), device=self.device))
-        names = sorted(sums)
-        values: dict[str, float] = {}
-        if names:
-            stacked = torch.stack([torch.as_tensor(sums[k], device=self.device).float() for k in names])
-            if self.dp_size > 1:
-                group = ps.get_data_parallel_group()
-                dist.all_reduce(stacked, group=group)
-                dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
-            values = dict(zip(names, stacked.tolist()))
-        if self.sizes.pipeline > 1:  # the losses ran on the last stage
+        return ps.get_data_parallel_group()
+
+    def _sum_metric_shares(self, sums: dict[str, Tensor]) -> tuple[dict[str, float], float]:
+        """Tensor-parallel ranks hold the same values (summed over data-parallel ranks only); with
+        pipeline parallelism the losses ran on the last stage, which sends them to every stage."""
+        values, mx = super()._sum_metric_shares(sums)
+        if self.sizes.pipeline > 1:
             from miles_agent.trainers.megatron import pipeline
 
-            values, mx = pipeline.object_from_last_stage((values, float(mx)))
-        return step_metrics(values, float(mx), grad_norms, trajs, n_minis, self.train_cfg.ppo_epochs,
-                            float(self.optimizer.param_groups[0]["lr"]), self.step)
+            values, mx = pipeline.object_from_last_stage((values, mx))
+        return values, mx
 
     # -- weights out --------------------------------------------------------------------------------
     def _full_hf_state(self) -> dict[str, Tensor]:
@@ -456,13 +351,6 @@ class MegatronTrainer:
         self.optimizer.load_state_dict(state["optim"])
         torch.set_rng_state(state["rng"])
         self.step = int(meta["step"])
-
-    # -- colocation: the same storage-level offload as the FSDP2 trainer (trainers/offload.py) --------
-    def offload(self) -> dict[str, float]:
-        return self.memory.offload()
-
-    def reload(self) -> dict[str, float]:
-        return self.memory.reload()
 
     def close(self) -> None:
         from megatron.core import parallel_state as ps
