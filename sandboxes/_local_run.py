@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import signal
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxLimits
 
 from ._local_isolation import PidsCgroup
-from ._local_spawn import SpawnAs, SpawnedProcess, spawn
+from ._local_spawn import SpawnAs, SpawnedProcess, set_limits, spawn
 
 WATCH_INTERVAL_S = 0.05
 READ_CHUNK = 1 << 16
@@ -116,7 +117,7 @@ class _PipeReader:
 class RunPlan:
     """Everything one command needs; built by LocalSandbox, executed by `Execution`."""
 
-    argv_for: Callable[[int | None, int | None], list[str]]  # (status fd, --args fd) -> argv
+    argv_for: Callable[[dict[str, int]], list[str]]  # the child's pipe fds by role -> argv
     env: dict[str, str]
     cwd: str
     limits: SandboxLimits
@@ -125,20 +126,32 @@ class RunPlan:
     cgroup: PidsCgroup | None
     output_kill_bytes: int
     bwrap_args: bytes | None = None  # bwrap's options, fed through ``--args FD``
+    init_rlimits: tuple[tuple[int, int, int], ...] = ()  # (resource, soft, hard) set on the namespace init
+    limits_as: tuple[int, int] | None = None  # set them as this (uid, gid): root without CAP_SYS_RESOURCE
     spawn_as: SpawnAs = SpawnAs()  # the cgroup and host uid the child starts in
 
 
-def rlimit_argv(prlimit: str, limits: SandboxLimits, *, nproc: int | None) -> list[str]:
-    """prlimit's arguments: CPU (SIGXCPU at the soft limit, SIGKILL a second later), memory, file size,
-    open files, and with ``nproc`` the process count. Only inside a user namespace is RLIMIT_NPROC
-    counted per sandbox (the kernel keys the count by user namespace); outside it would count every
-    process of the host user, so plain mode leaves it unset."""
+def rlimits(limits: SandboxLimits, *, nproc: int | None) -> tuple[tuple[int, int, int], ...]:
+    """(resource, soft, hard): CPU (SIGXCPU at the soft limit, SIGKILL a second later), memory, file
+    size, open files, no core dumps, and with ``nproc`` the process count. Only inside a user namespace
+    is RLIMIT_NPROC counted per sandbox (the kernel keys the count by user namespace); outside it would
+    count every process of the host user, so plain mode leaves it unset."""
     cpu = max(1, int(limits.cpu_time_s))
-    argv = [prlimit, f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_bytes}",
-            f"--fsize={limits.max_file_bytes}", f"--nofile={limits.max_open_files}", "--core=0"]
+    values = [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+              (resource.RLIMIT_FSIZE, limits.max_file_bytes, limits.max_file_bytes),
+              (resource.RLIMIT_NOFILE, limits.max_open_files, limits.max_open_files), (resource.RLIMIT_CORE, 0, 0)]
     if nproc is not None:
-        argv.append(f"--nproc={nproc}")
-    return [*argv, "--"]
+        values.append((resource.RLIMIT_NPROC, nproc, nproc))
+    return tuple(values)
+
+
+_PRLIMIT_NAMES = {resource.RLIMIT_CPU: "cpu", resource.RLIMIT_AS: "as", resource.RLIMIT_FSIZE: "fsize",
+                  resource.RLIMIT_NOFILE: "nofile", resource.RLIMIT_CORE: "core", resource.RLIMIT_NPROC: "nproc"}
+
+
+def rlimit_argv(prlimit: str, values: tuple[tuple[int, int, int], ...]) -> list[str]:
+    """The same limits as a ``prlimit`` prefix (plain mode, where no namespace init can carry them)."""
+    return [prlimit, *(f"--{_PRLIMIT_NAMES[r]}={soft}:{hard}" for r, soft, hard in values), "--"]
 
 
 class Execution:
@@ -153,6 +166,8 @@ class Execution:
         self._init_pidfd: int | None = None
         self._status = b""
         self._status_fd: int | None = None
+        self._block_w: int | None = None  # bwrap --block-fd: written once the init has its rlimits
+        self._setup_error: str | None = None
 
     def kill(self, reason: str) -> None:
         """Kill the whole command tree, remembering the first reason."""
@@ -201,21 +216,24 @@ class Execution:
     async def _spawn(self, out: CappedOutput, err: CappedOutput) -> list[_PipeReader]:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        status_w = args_r = None
+        fds: dict[str, int] = {}
         if self.plan.isolated:
-            self._status_fd, status_w = os.pipe()
+            self._status_fd, fds["status"] = os.pipe()
             os.set_blocking(self._status_fd, False)
         if self.plan.bwrap_args is not None:
-            args_r = _pipe_with(self.plan.bwrap_args)
-        child_fds = tuple(fd for fd in (status_w, args_r) if fd is not None)
+            fds["args"] = _pipe_with(self.plan.bwrap_args)
+        if self.plan.init_rlimits:  # bwrap waits on it, set up but before the command starts
+            fds["block"], self._block_w = os.pipe()
+        child_fds = tuple(fds.values())
         try:
-            self.proc = await spawn(self.plan.argv_for(status_w, args_r), stdout=out_w, stderr=err_w,
+            self.proc = await spawn(self.plan.argv_for(fds), stdout=out_w, stderr=err_w,
                                     env=self.plan.env, cwd=self.plan.cwd, pass_fds=child_fds,
                                     spawn_as=self.plan.spawn_as)
         except OSError as e:
             os.close(out_r)
             os.close(err_r)
             self._close_status()
+            self._close_block()
             raise SandboxError(f"local sandbox: cannot start the command: {e}") from e
         finally:  # the child has its copies; ours would keep the pipes open forever
             for fd in (out_w, err_w, *child_fds):
@@ -254,6 +272,7 @@ class Execution:
             if "child-pid" in info:
                 self._init_pid = int(info["child-pid"])
                 self._hold_init(str(info.get("pid-namespace", "")))
+                self._release_init()
                 return
 
     def _hold_init(self, pid_ns: str) -> None:
@@ -270,6 +289,30 @@ class Execution:
             self._init_pidfd = fd
         else:
             os.close(fd)
+
+    def _release_init(self) -> None:
+        """Give the namespace init (blocked in bwrap, before it forks the command) the command's rlimits,
+        then let it go: the command inherits them at fork, with no exec of prlimit on the way. Without
+        the init's pidfd, or if a limit cannot be set, it is never released -- the command never runs."""
+        if self._block_w is None:
+            return
+        if self._init_pidfd is None:
+            self._setup_error = "the sandbox's init vanished before its limits were set"
+            self.kill("setup")
+            return
+        try:
+            set_limits(self._init_pid, self.plan.init_rlimits, self.plan.limits_as)
+        except OSError as e:
+            self._setup_error = f"could not set the command's limits: {e}"
+            self.kill("setup")
+            return
+        os.write(self._block_w, b"x")
+        self._close_block()
+
+    def _close_block(self) -> None:
+        if self._block_w is not None:
+            os.close(self._block_w)
+            self._block_w = None
 
     def _check_output(self, buf: CappedOutput) -> None:
         if buf.total > self.plan.output_kill_bytes and self.reason is None:
@@ -315,6 +358,7 @@ class Execution:
             for reader in readers:
                 reader.close()
             self._close_status()
+            self._close_block()
             if self._init_pidfd is not None:
                 os.close(self._init_pidfd)
             if self.proc is not None:
@@ -353,6 +397,8 @@ class Execution:
         stderr = err.text()
         if self.reason == "stopped":
             raise SandboxError("local sandbox: stopped while the command was running")
+        if self._setup_error is not None:
+            raise SandboxError(f"local sandbox: {self._setup_error}")
         if self.plan.isolated and self.reason is None and b'"exit-code"' not in self._status:
             raise SandboxError(f"local sandbox: bubblewrap could not set up the sandbox (exit {code}): "
                                f"{stderr.strip()[-500:]}")

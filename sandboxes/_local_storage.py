@@ -10,7 +10,8 @@ Where they are mounted: in a private user + mount namespace created by one holde
 callers can mount tmpfs there, so the quota holds for root and for ordinary users alike, and nothing is
 mounted on the host: when the holder dies -- at `stop`, or with the trainer itself (``PR_SET_PDEATHSIG``)
 -- the kernel frees both mounts, so a crashed run leaks no memory-backed filesystem. Each command
-enters the namespace with ``nsenter`` before bwrap builds the sandbox; the host reaches the files
+starts in the namespace before bwrap builds the sandbox -- born there when the caller is root (the
+spawner thread steps into it around the fork), else through ``nsenter``; the host reaches the files
 through ``/proc/<holder>/root``.
 """
 
@@ -62,6 +63,7 @@ class SandboxStorage:
         self.agent_dir = os.path.join(root, "fs")  # mount points; the same paths inside the namespace
         self.verifier_dir = os.path.join(root, "verifier")
         self.holder_pid: int | None = None
+        self.mount_ns_fd: int | None = None  # root callers' commands are born in it (no nsenter)
         self._holder = None
         self._pidfd: int | None = None
 
@@ -98,6 +100,7 @@ class SandboxStorage:
             os.close(err_r)
         self.holder_pid = self._holder.pid
         self._pidfd = os.pidfd_open(self.holder_pid)
+        self.mount_ns_fd = os.open(f"/proc/{self.holder_pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
 
     def enter_argv(self) -> list[str]:
         """The prefix that runs a command inside the holder's namespaces (as the sandbox identity)."""
@@ -128,6 +131,9 @@ class SandboxStorage:
             except ProcessLookupError:
                 pass
         holder.wait()
+        if self.mount_ns_fd is not None:
+            os.close(self.mount_ns_fd)
+            self.mount_ns_fd = None
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None

@@ -66,7 +66,7 @@ from ._local_isolation import (
     create_pids_cgroup,
     probe_bwrap,
 )
-from ._local_run import Execution, RunPlan, rlimit_argv
+from ._local_run import Execution, RunPlan, rlimit_argv, rlimits
 from ._local_spawn import SpawnAs
 from ._local_storage import Quota, SandboxStorage, StorageError
 
@@ -82,6 +82,21 @@ RESERVED_TOPS = frozenset({"", "usr", "etc", "proc", "dev", "sys", "bin", "sbin"
                            "libx32", "workspace", "tmp", "root", "home"})
 T = TypeVar("T")
 _warned_unisolated = False
+
+
+def _has_cap_sys_resource() -> bool:
+    """Root may set another uid's rlimits only with CAP_SYS_RESOURCE, which some VMs and containers
+    drop; then it sets them acting as the sandbox's uid for a moment (``_local_spawn.set_limits``)."""
+    try:
+        with open("/proc/self/status") as f:
+            eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(eff >> 24 & 1)  # CAP_SYS_RESOURCE
+
+
+LIMITS_ON_INIT = True  # rlimits onto the namespace init (see _local_run); False: a prlimit exec inside
+LIMITS_AS_OWNER = os.geteuid() == 0 and not _has_cap_sys_resource()
 
 
 class LocalSandbox(Sandbox):
@@ -266,18 +281,25 @@ class LocalSandbox(Sandbox):
         # RLIMIT_NPROC (+1: the namespace init) is the process limit where no cgroup is; with one it is
         # only a backstop above the cgroup's, whose refusals are counted and end the command at once.
         nproc = (limits.max_processes + (16 if cgroup else 1)) if isolated else None
-        inner = rlimit_argv(self._prlimit, limits, nproc=nproc) + inner
+        values = rlimits(limits, nproc=nproc)
         if isolated:
-            assert self._bwrap is not None
-            assert self._storage is not None
-            launch = head + self._storage.enter_argv() + [self._bwrap.path]
-            argv_for = lambda status_fd, args_fd: [*launch, "--args", str(args_fd),  # noqa: E731
-                                                   "--json-status-fd", str(status_fd), "--", *inner]
+            assert self._bwrap is not None and self._storage is not None
+            enter = [] if head or spawn_as.mount_ns_fd is not None else self._storage.enter_argv()
+            launch = head + enter + [self._bwrap.path]
+            if LIMITS_ON_INIT:  # set on the namespace init before it starts the command (see _local_run)
+                block = lambda fds: ["--block-fd", str(fds["block"])]  # noqa: E731
+            else:  # a prlimit exec inside
+                block, inner, values = (lambda _fds: []), rlimit_argv(self._prlimit, values) + inner, ()
+            argv_for = lambda fds: [*launch, "--args", str(fds["args"]), "--json-status-fd",  # noqa: E731
+                                    str(fds["status"]), *block(fds), "--", *inner]
             blob, workdir = args_blob(bwrap_options(self._bwrap, binds, self._extra_ro_binds)), "/"
         else:
-            argv_for, blob, workdir = (lambda _s, _a: head + inner), None, self._host_path("workspace")
+            plain = head + rlimit_argv(self._prlimit, values) + inner
+            argv_for, blob, workdir, values = (lambda _fds: plain), None, self._host_path("workspace"), ()
+        owner = (self._identity.uid, self._identity.gid) if LIMITS_AS_OWNER and self._identity.switched else None
         plan = RunPlan(
             argv_for=argv_for, env=command_env, cwd=workdir, limits=limits, bwrap_args=blob, spawn_as=spawn_as,
+            init_rlimits=values, limits_as=owner,
             wall_s=timeout_s if timeout_s is not None else limits.wall_time_s, isolated=isolated,
             cgroup=cgroup, output_kill_bytes=self._output_kill_bytes or max(16 * limits.max_output_bytes, 1 << 20))
         execution = Execution(plan)
@@ -294,13 +316,16 @@ class LocalSandbox(Sandbox):
         by the spawner itself where it can (cgroup v1 threads, Popen's uid switch); else a shell that
         joins the cgroup first, then ``setpriv``."""
         ident = self._identity if self.isolation == "bwrap" else HostIdentity(os.getuid(), os.getgid())
-        user = {"uid": ident.uid, "gid": ident.gid} if ident.switched else {}
+        user: dict = {"uid": ident.uid, "gid": ident.gid} if ident.switched else {}
+        if ident.switched and self._storage is not None:
+            user["mount_ns_fd"] = self._storage.mount_ns_fd
         if cgroup is None:
             return [], SpawnAs(**user)
         if cgroup.threads_movable:
             return [], SpawnAs(cgroup_tasks=os.path.join(cgroup.path, "tasks"),
                                home_tasks=os.path.join(cgroup.parent, "tasks"), **user)
-        return ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file, *ident.drop_argv], SpawnAs()
+        enter = self._storage.enter_argv() if self._storage is not None else []
+        return ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file, *ident.drop_argv, *enter], SpawnAs()
 
     def _inner_argv(self, command: str, cwd: str | None) -> list[str]:
         """``bash -c command``, first changing to ``cwd`` (relative to the workspace) when given."""

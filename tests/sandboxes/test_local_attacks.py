@@ -9,6 +9,7 @@ same driver (attack_driver.py) as uid 65534 through ``setpriv``.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -88,17 +89,36 @@ def test_no_host_path_of_the_workspace_is_visible(caller):
     assert "miles-sandbox-" not in boxed["stdout"], boxed
 
 
-def test_sandbox_processes_run_as_an_unprivileged_host_uid():
-    """Seen from the host: never uid 0, whatever uid the command sees inside."""
+def test_sandbox_processes_run_as_an_unprivileged_host_uid(marker):
+    """Seen from the host: never uid 0 and no capabilities, whatever uid the command sees inside."""
     async def main():
         async with LocalSandbox() as sb:
             await sb.start(SandboxSpec())
-            r = await sb.exec("id -u; sleep 0.5 & cat /proc/self/status | grep -E '^(Uid|CapEff)'; wait")
-            return r, sb._identity.uid
-    r, host_uid = run(main())
+            command = f"id -u; (exec -a {marker} sleep 3) & sleep 0.5; grep CapEff /proc/self/status"
+            task = asyncio.ensure_future(sb.exec(command))
+            await asyncio.sleep(0.3)
+            host = _host_status_of(marker)
+            return await task, host
+    r, host = run(main())
     assert r.stdout.splitlines()[0] == "0"  # root inside ...
     assert "CapEff:\t0000000000000000" in r.stdout
-    assert host_uid != 0 and (host_uid == os.getuid() or host_uid >= 1_000_000)  # ... never host root
+    assert host, "the probe process was not found on the host"
+    for status in host:  # ... never the host's root
+        assert status["Uid"].split()[0] != "0" and status["CapEff"] == "0000000000000000", status
+
+
+def _host_status_of(token: str) -> list[dict[str, str]]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if token.encode() not in f.read():
+                    continue
+            with open(f"/proc/{pid}/status") as f:
+                found.append(dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line))
+        except OSError:
+            continue
+    return [s for s in found if s.get("Name") == "sleep"]
 
 
 # -- 2. verifier integrity ----------------------------------------------------------------------
@@ -233,3 +253,35 @@ def test_a_full_quota_is_the_callers_error_not_the_sandboxes():
             assert not isinstance(info.value, SandboxError) and info.value.errno in (errno.ENOSPC, errno.EDQUOT)
             assert (await sb.exec("echo still alive")).stdout == "still alive\n"
     run(main())
+
+
+def test_every_rlimit_reaches_the_command(caller):
+    """However they are applied (on the namespace init, or by a prlimit exec where this process may not
+    set another uid's limits), the command runs under exactly the configured rlimits."""
+    limits = {"cpu_time_s": 7, "memory_bytes": 300 << 20, "max_file_bytes": 5 << 20, "max_open_files": 333,
+              "max_processes": 50}
+    command = "echo $(ulimit -St) $(ulimit -Ht) $(ulimit -v) $(ulimit -f) $(ulimit -n) $(ulimit -c)"
+    want = f"7 8 {300 << 10} {(5 << 20) // 1024} 333 0"  # bash reports -v and -f in KiB here
+    plain, boxed = both(caller, command, limits=limits)
+    assert plain["stdout"].strip() != want, plain  # the host's own limits are not these
+    assert boxed["stdout"].strip() == want, boxed
+
+
+def test_limits_that_cannot_be_set_mean_the_command_never_runs(monkeypatch):
+    """Fail closed: a namespace init whose limits were refused is never released."""
+    from miles_agent.sandboxes import local
+
+    if local.LIMITS_ON_INIT:
+        monkeypatch.setattr("resource.prlimit", lambda *a: (_ for _ in ()).throw(PermissionError(1, "refused")))
+    else:  # here root lacks CAP_SYS_RESOURCE: the kernel itself refuses
+        monkeypatch.setattr(local, "LIMITS_ON_INIT", True)
+
+    async def main():
+        async with LocalSandbox() as sb:
+            await sb.start(SandboxSpec())
+            with pytest.raises(SandboxError, match="could not set the command's limits"):
+                await sb.exec("touch ran")
+            monkeypatch.setattr(local, "LIMITS_ON_INIT", False)
+            monkeypatch.undo()
+            return (await sb.exec("ls")).stdout
+    assert "ran" not in run(main())
