@@ -22,15 +22,19 @@ class SideCarError(RuntimeError):
     """The package side failed a request (its message and the side-car's log tail say why)."""
 
 
-def side_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def side_env(python: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The side-car's environment: ours, offline switches, loopback past any proxy, and the venv's own
+    bin/ first on PATH -- the package's tools (Verifiers runs the venv's ``uv``) are found without a
+    global install, which a machine may not have."""
     loopback = ",".join(filter(None, ["127.0.0.1,localhost,::1", os.environ.get("NO_PROXY", "")]))
-    return {**os.environ, **OFFLINE_ENV, "NO_PROXY": loopback, "no_proxy": loopback, **(extra or {})}
+    path = os.pathsep.join(filter(None, [str(Path(python).parent), os.environ.get("PATH", "")]))
+    return {**os.environ, **OFFLINE_ENV, "NO_PROXY": loopback, "no_proxy": loopback, "PATH": path, **(extra or {})}
 
 
 def list_tasks(python: Path, adapter: Path, config: dict[str, Any], timeout_s: float = 300) -> list[dict]:
     """One-shot, synchronous: Environment.tasks() is synchronous and called once per run."""
     done = subprocess.run([str(python), str(SIDECAR), str(adapter), json.dumps(config), "--tasks"],
-                          capture_output=True, text=True, timeout=timeout_s, env=side_env())
+                          capture_output=True, text=True, timeout=timeout_s, env=side_env(python))
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         raise SideCarError(f"{adapter.stem}: listing tasks failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -42,6 +46,7 @@ class SideCar:
 
     def __init__(self, python: Path, adapter: Path, config: dict[str, Any]) -> None:
         self.argv = [str(python), str(SIDECAR), str(adapter), json.dumps(config)]
+        self.python = python
         self.name = adapter.stem
         self.proc: asyncio.subprocess.Process | None = None
         self.pending: dict[int, asyncio.Future] = {}
@@ -56,7 +61,7 @@ class SideCar:
         self.pending[0] = self._ready
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=side_env(), start_new_session=True, limit=2**24)
+            stderr=asyncio.subprocess.PIPE, env=side_env(self.python), start_new_session=True, limit=2**24)
         self._tasks = [asyncio.ensure_future(self._read_answers()), asyncio.ensure_future(self._read_log())]
         await self._ready
 
