@@ -1,4 +1,4 @@
-"""Benchmark: the embedded LocalEngine vs HF ``model.generate`` on the same tiny model, same process.
+"""Benchmark: the embedded EmbeddedEngine vs HF ``model.generate`` on the same tiny model, same process.
 
 Workload (multi-turn-like): N concurrent agent episodes of T turns; each turn sends the whole
 history (prompt + earlier replies + a short observation) and samples ``new`` tokens. The engine
@@ -21,8 +21,8 @@ import time
 import torch
 
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 
 
 def make_prompts(n: int, mean_len: int, seed: int) -> list[list[int]]:
@@ -37,7 +37,7 @@ def next_turn(histories: list[list[int]], replies: list[list[int]], seed: int) -
     return [h + r + o for h, r, o in zip(histories, replies, obs)]
 
 
-def run_engine(engine: LocalEngine, prompts: list[list[int]], turns: int, new: int) -> int:
+def run_engine(engine: EmbeddedEngine, prompts: list[list[int]], turns: int, new: int) -> int:
     sampling = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.95)
 
     async def main() -> int:
@@ -121,7 +121,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, tok = build_tiny(a.arch)
     model = model.to(a.device)
-    engine = LocalEngine(copy.deepcopy(model), tok, device=a.device, max_batch_size=max(a.episodes, 1))
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, device=a.device, max_batch_size=max(a.episodes, 1))
     engine.eos_ids = frozenset()  # equal work: every request samples exactly --new tokens
     prompts = make_prompts(a.episodes, a.prompt_len, seed=0)
     run_engine(engine, make_prompts(2, 8, seed=1), 1, 2)  # warm-up (thread pool, allocator)

@@ -65,9 +65,9 @@ def _reset_peak(device: str) -> None:
 
 
 def check_engine(model: Any, tok: Any, device: str, n: int, new: int) -> tuple[dict[str, Any], list[Trajectory]]:
-    from miles_agent.rollout.local import LocalEngine
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
 
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=n, device=device)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=n, device=device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (int(k),), generator=g).tolist()
                for k in torch.randint(48, 96, (n,), generator=g)]

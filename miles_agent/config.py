@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ import yaml
 from miles_agent.errors import UserError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+log = logging.getLogger(__name__)
+
+# Values renamed since release, still read: "local" named the engine, the sandbox and the cluster mode.
+RENAMED = {"rollout.engine": {"local": "embedded"}, "cluster.mode": {"local": "inprocess"}}
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "local"
+    engine: str = "embedded"  # a miles_agent.engines plug-in: embedded (in-process torch) | sglang
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
     temperature: float = 1.0
@@ -159,9 +164,9 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Where the parts run (miles_agent.runtime): one process, or Ray actors in placement groups."""
+    """Where the parts run: one process, or Ray actors in placement groups (runtime/)."""
 
-    mode: str = "local"  # local = everything in this process; ray = engines and trainer ranks as Ray actors
+    mode: str = "inprocess"  # a miles_agent.clusters plug-in: inprocess (this process) | ray (Ray actors)
     ray_address: str | None = None  # None = start Ray on this machine (loopback); "auto" / host:port = join
     num_engines: int = 1  # rollout engine actors (mode=ray)
     colocate: bool = False  # engines share the trainer ranks' bundles, releasing memory while they train
@@ -175,8 +180,9 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class SyncConfig:
-    # How weights reach the engines: inprocess | shm | distributed | disk (miles_agent/weight_sync/).
-    transport: str = "inprocess"
+    # How weights reach the engines (transports/): auto | inprocess | shm | distributed | disk, and under
+    # cluster.mode=ray object-store. auto = inprocess in one process, object-store with Ray engine actors.
+    transport: str = "auto"
     bucket_mb: int = 64  # extra memory a sync needs is about one bucket on each side
     check: bool = False  # after every sync, compare per-tensor checksums of trainer and engines
     backend: str = "auto"  # distributed: gloo | nccl | auto (nccl on cuda, else gloo)
@@ -190,7 +196,7 @@ class SyncConfig:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    # rollout.engine=sglang: SGLang servers over HTTP (miles_agent/rollout/sglang/).
+    # rollout.engine=sglang: SGLang servers over HTTP (engines/sglang/).
     external_urls: list[str] = field(default_factory=list)  # attach to running servers; [] = launch them
     num_servers: int = 1  # servers to launch when external_urls is empty
     tp_size: int = 1  # --tp-size of each launched server
@@ -302,8 +308,17 @@ def _build(cls: type, data: Any, where: str) -> Any:
             hint = f"; did you mean {(where + '.' if where else '') + close[0]!r}?" if close else \
                 f"; valid keys: {', '.join(names)}"
             raise UserError(f"unknown config key {full!r}{hint}")
-        kwargs[key] = _coerce(hints[key], value, full)
+        kwargs[key] = _renamed(full, _coerce(hints[key], value, full))
     return cls(**kwargs)
+
+
+def _renamed(key: str, value: Any) -> Any:
+    new = RENAMED.get(key, {}).get(value) if isinstance(value, str) else None
+    if new is None:
+        return value
+    log.warning("%s=%s is now called %s=%s; reading it as %s (update the recipe or override)",
+                key, value, key, new, new)
+    return new
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:

@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles_agent import registry
 from miles_agent.algorithms import distill as alg
+from miles_agent.build import EMBEDDED_ENGINE
 from miles_agent.config import Config
 from miles_agent.engine import Scorer
 from miles_agent.environment import Environment
@@ -102,14 +104,15 @@ def build_distiller(cfg: Config, env: Environment, tokenizer: Any, student: Any)
                         f"{cfg.train.backend!r}; use algo.distill_mode=reward (the same gradient at ratio 1)")
     if not isinstance(student, Scorer):
         raise UserError(f"rollout.engine={cfg.rollout.engine!r} cannot score tokens (no `score`), which "
-                        "distillation needs; use rollout.engine=local")
+                        f"distillation needs; use rollout.engine={EMBEDDED_ENGINE}")
     from miles_agent.models.builder import load_hf
-    from miles_agent.rollout.local import LocalEngine
 
     model, teacher_tokenizer = load_hf(teacher_path(cfg, env), cfg.model.dtype)
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"the teacher {algo.distill_teacher!r} has another tokenizer than the student; "
                         "distillation scores the student's token ids, so both must share one vocabulary")
-    teacher = LocalEngine(model, teacher_tokenizer, max_batch_size=1, device=cfg.model.device)
+    one_at_a_time = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_batch_size=1),
+                                        algo=dataclasses.replace(algo, true_on_policy=False))
+    teacher = registry.load("engines", EMBEDDED_ENGINE)(one_at_a_time, model, teacher_tokenizer)[0]
     return Distiller(teacher, student, mode=algo.distill_mode, coef=algo.distill_coef,
                      task_coef=algo.distill_task_coef, temperature=cfg.rollout.temperature)

@@ -2,7 +2,7 @@
 
 A harness only sees `Policy` (one async ``generate``). The driver also sees `RolloutEngine`: pause and
 resume around weight updates, weight loading, health. Backends: ``local`` (the embedded torch engine,
-`miles_agent.rollout.local`) and, later, ``sglang`` (HTTP client of SGLang servers).
+`miles_agent.engines.embedded.engine`) and, later, ``sglang`` (HTTP client of SGLang servers).
 
 Torch-free on purpose: environment workers import this module.
 """

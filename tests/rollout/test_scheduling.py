@@ -12,14 +12,14 @@ import torch
 
 from miles_agent.config import RolloutConfig
 from miles_agent.engine import FinishReason, SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.environment import Environment, EnvSession, Harness, Reward, Task
 from miles_agent.errors import UserError
 from miles_agent.models.builder import build_tiny
 from miles_agent.rollout.episodes import EpisodeRunner
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.scheduling import RolloutScheduler, TaskSampler, staleness
+from miles_agent.transports import InProcessTransport
 from miles_agent.types import SpanKind, Status, Trajectory
-from miles_agent.weight_sync import InProcessTransport
 
 TOKENS = 24  # per model turn; the engine ignores EOS, so every turn is exactly this long
 OBSERVATION = [5, 6, 7]
@@ -68,7 +68,7 @@ class TwoTurns(Harness):
 @pytest.fixture
 def setup(tiny_models):
     model, tok = tiny_models["tiny-qwen3"]
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=16)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=16)
     engine.eos_ids = frozenset()
     other, _ = build_tiny("tiny-qwen3", seed=1)  # "new weights": a different init, so versions differ in logprobs
 

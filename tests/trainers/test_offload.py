@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from miles_agent.components import offload_enabled
 from miles_agent.errors import UserError
-from miles_agent.trainers.offload import offload_enabled
 from tests.trainers.test_fsdp2_trainer import constant_advantages, make_trainer, make_trajectories, weights
 
 ADV = [1.0, -0.5, 0.75, -1.0]
