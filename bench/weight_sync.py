@@ -39,7 +39,7 @@ import torch
 from miles_agent.engines.embedded.process import EngineProcess
 from miles_agent.transports import DiskTransport, DistributedTransport, SharedMemoryTransport
 from miles_agent.transports.core import flat_buckets
-from miles_agent.transports.dist import free_port, init_custom_process_group
+from miles_agent.transports.groups import free_port, init_custom_process_group
 
 GOAL = 0.8
 

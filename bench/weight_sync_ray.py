@@ -43,12 +43,12 @@ class RawPeer:
         self.group = None
 
     def port(self) -> int:
-        from miles_agent.transports.dist import free_port
+        from miles_agent.transports.groups import free_port
 
         return free_port()
 
     def join(self, port: int, rank: int) -> None:
-        from miles_agent.transports.dist import init_custom_process_group
+        from miles_agent.transports.groups import init_custom_process_group
 
         self.group = init_custom_process_group("gloo", "127.0.0.1", port, rank, 2, "raw_baseline")
 

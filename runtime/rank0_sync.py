@@ -27,7 +27,7 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
-from miles_agent.transports.receiver import DEFAULT_GROUP
+from miles_agent.transports.groups import DEFAULT_GROUP
 
 
 class ActorReceiver:
@@ -151,7 +151,7 @@ class Rank0Broadcaster:
 
 async def _close(transport: Any) -> None:
     """Leave a weight-update group; a dead member cannot leave, so our side is destroyed regardless."""
-    from miles_agent.transports.dist import destroy_group
+    from miles_agent.transports.groups import destroy_group
 
     own = transport.group
     try:

@@ -28,12 +28,10 @@ from miles_agent.transports.core import (
     module_checksums,
     unpack,
 )
+from miles_agent.transports.groups import DEFAULT_GROUP
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-DEFAULT_GROUP = "weight_update_group"
-
 
 @runtime_checkable
 class WeightReceiver(Protocol):
@@ -120,7 +118,7 @@ class InProcessReceiver:
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = DEFAULT_GROUP,
                                         backend: str = "nccl") -> None:
-        from miles_agent.transports.dist import init_custom_process_group
+        from miles_agent.transports.groups import init_custom_process_group
 
         if group_name in self._groups:
             raise WeightSyncError(f"weight update group {group_name!r} already exists on this engine; "
@@ -155,7 +153,7 @@ class InProcessReceiver:
         await self._load(items, weight_version)
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
-        from miles_agent.transports.dist import destroy_group
+        from miles_agent.transports.groups import destroy_group
 
         group = self._groups.pop(group_name, None)
         if group is None:
@@ -166,7 +164,7 @@ class InProcessReceiver:
                                        weight_version: str | None = None) -> None:
         import torch
 
-        from miles_agent.transports.disk import read_header, read_into
+        from miles_agent.transports.safetensors_io import read_header, read_into
 
         for path in safetensors_files(Path(model_path)):  # shard by shard: extra memory is at most a shard
             start, metas = read_header(path)

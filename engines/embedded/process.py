@@ -19,7 +19,7 @@ from typing import Any
 
 from miles_agent.engine import Completion, SamplingParams
 from miles_agent.transports.core import WeightSyncError
-from miles_agent.transports.receiver import DEFAULT_GROUP
+from miles_agent.transports.groups import DEFAULT_GROUP
 
 
 def tiny_model(arch: str = "tiny-qwen3", seed: int = 0, dtype: str = "float32") -> Any:

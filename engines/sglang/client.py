@@ -28,7 +28,7 @@ from miles_agent.engine import Completion, FinishReason, PauseMode, SamplingPara
 from miles_agent.engines.sglang.wire import as_version, generate_payload, parse_generate_response
 from miles_agent.errors import require
 from miles_agent.transports.core import WeightSyncError
-from miles_agent.transports.receiver import DEFAULT_GROUP
+from miles_agent.transports.groups import DEFAULT_GROUP
 
 if TYPE_CHECKING:  # pragma: no cover
     import aiohttp
