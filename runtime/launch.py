@@ -91,7 +91,7 @@ class RayCluster:
 
         cfg = self.cfg
         offload = offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
-        backend = registry.load("trainers", cfg.train.backend, key="train.backend")
+        backend = registry.load("trainers", cfg.train.backend)
         if offload and not callable(getattr(backend, "offload", None)):
             raise UserError(f"train.offload is on (it is by default with cluster.colocate) but the {cfg.train.backend} "
                             "trainer has no offload() / reload(); set train.offload=false")

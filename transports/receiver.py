@@ -91,9 +91,6 @@ class InProcessReceiver:
         self._paused = False
         await self.engine.resume()
 
-    async def get_weight_version(self) -> str:
-        return str(self.engine.weight_version)
-
     async def update_weights_from_tensor(self, serialized_named_tensors: list[bytes], load_format: str | None = None,
                                          flush_cache: bool = True, weight_version: str | None = None) -> None:
         import base64

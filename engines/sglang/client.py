@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from miles_agent.engine import Completion, FinishReason, PauseMode, SamplingParams
-from miles_agent.engines.sglang.wire import as_version, generate_payload, parse_generate_response
+from miles_agent.engines.sglang.wire import generate_payload, parse_generate_response
 from miles_agent.errors import require
 from miles_agent.transports.core import WeightSyncError
 from miles_agent.transports.groups import DEFAULT_GROUP
@@ -219,12 +219,6 @@ class SGLangEngine:
 
     async def get_model_info(self) -> dict[str, Any]:
         return await self._get("/get_model_info")
-
-    async def refresh_weight_version(self) -> int:
-        """Adopt the server's ``weight_version`` (``/get_model_info``), e.g. when attaching to a running one."""
-        info = await self.get_model_info()
-        self._version = as_version(info.get("weight_version"), self._version)
-        return self._version
 
     # -- HTTP ----------------------------------------------------------------------------------------
     def _announce_lock(self) -> asyncio.Lock:
