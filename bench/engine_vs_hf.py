@@ -129,14 +129,14 @@ def main() -> None:
     print(f"{a.arch} on {a.device}: {a.episodes} episodes x {a.turns} turns, ~{a.prompt_len}-token prompts, "
           f"{a.new} new tokens, torch threads {torch.get_num_threads()}, best of {a.repeat}")
     results = {
-        "local engine": best_of(a.repeat, run_engine, engine, prompts, a.turns, a.new),
+        "embedded engine": best_of(a.repeat, run_engine, engine, prompts, a.turns, a.new),
         "hf generate, padded batch": best_of(a.repeat, run_hf_batched, model, prompts, a.turns, a.new),
         f"hf generate, 1 at a time ({a.seq_episodes} ep)":
             best_of(1, run_hf_sequential, model, prompts[: a.seq_episodes], a.turns, a.new),
     }
     for name, (secs, tokens) in results.items():
         print(f"  {name:34s} {tokens:6d} tokens  {secs:7.2f} s  {tokens / secs:9.1f} tok/s")
-    eng = results["local engine"][1] / results["local engine"][0]
+    eng = results["embedded engine"][1] / results["embedded engine"][0]
     for name in list(results)[1:]:
         print(f"  ratio engine / {name:34s} {eng / (results[name][1] / results[name][0]):6.2f}x")
     print(f"  engine mean decode batch {engine.mean_decode_batch:.1f} over {engine.stats['decode_steps']} steps")

@@ -4,7 +4,7 @@ same bytes between two Ray actors, in the same run.
 The real stack: one FSDP2 trainer rank as a Ray actor (`RayTrainerGroup`) and one embedded engine actor
 under the `EngineSupervisor`, with a Qwen3-shaped model (random init). Per repeat, interleaved:
 
-- object store (``sync.transport`` unset): rank 0 gathers, packs and ``ray.put``s the weights, the engine
+- object store (``sync.transport=object-store``, the default): rank 0 gathers, packs and ``ray.put``s the weights, the engine
   reads and loads them -- against the cheapest raw hop: one actor ``ray.put``s the bytes as one flat numpy
   array (one memcpy into the store), another ``ray.get``s it (zero-copy) and copies it into a
   preallocated buffer. The real path also packs the tensors (one more memcpy) and pauses the engine.

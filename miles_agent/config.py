@@ -115,7 +115,7 @@ class AlgoConfig:
     # Rollout/train consistency (trainers/routing_replay.py, miles_agent/true_on_policy.py):
     routing_replay: bool = False  # R3: MoE trainer forwards route by the engine's recorded expert ids
     true_on_policy: bool = False  # engine and trainer share batch-invariant kernels: bitwise-equal logprobs
-    # On-policy distillation (miles_agent/distill.py): off while distill_teacher is None.
+    # On-policy distillation (miles_agent/teacher.py): off while distill_teacher is None.
     distill_teacher: str | None = None  # the teacher's HF folder, or "builtin" = the env's warm start
     distill_mode: str = "reward"  # reward: reverse KL in per-token advantages | loss: a loss term
     distill_coef: float = 1.0  # weight of the reverse-KL signal

@@ -52,8 +52,8 @@ class Run:
         from miles_agent.algorithms.batch_builder import BatchBuilder
         from miles_agent.algorithms.estimators import check_estimator
         from miles_agent.components import build_critic, cluster_for
-        from miles_agent.distill import build_distiller
         from miles_agent.models.loading import load_policy
+        from miles_agent.teacher import build_distiller
 
         check_device(cfg.model.device)
         check_scheduling(cfg.rollout)
@@ -131,7 +131,7 @@ class Run:
                     record.update(self.group_filter.step_metrics())
                 batch, algo_metrics = self.batches.build(trainable)  # advantages; a critic steps here
                 record.update(algo_metrics)
-                if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
+                if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/teacher.py)
                     batch, distill_metrics = await self.distiller.apply(batch)
                     record.update(distill_metrics)
                 self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)

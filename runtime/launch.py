@@ -165,7 +165,7 @@ class RayCluster:
         if cfg.cluster.colocate:
             raise UserError("sync.transport=distributed cannot reach colocated engines: they share their trainer "
                             "rank's GPU and NCCL cannot connect two processes on one device; leave "
-                            "sync.transport unset (object store) or set cluster.colocate=false")
+                            "sync.transport=object-store (the default) or set cluster.colocate=false")
         from miles_agent.runtime.rank0_sync import RankZeroTransport
 
         return RankZeroTransport(trainer, engines[0], self.rank0_options())

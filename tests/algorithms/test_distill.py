@@ -10,11 +10,11 @@ import torch
 
 from miles_agent.algorithms.distill import distill_loss, fold_into_advantages, reverse_kl_tokens
 from miles_agent.config import AlgoConfig, TrainConfig
-from miles_agent.distill import Distiller
 from miles_agent.engine import SamplingParams
 from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.errors import UserError
 from miles_agent.models.builder import build_tiny, load_hf
+from miles_agent.teacher import Distiller
 from miles_agent.trainer import TrainBatch
 from miles_agent.types import Trajectory
 from miles_agent.warmstart import shipped_path
@@ -182,7 +182,7 @@ def test_reward_and_loss_modes_take_the_same_first_step():
 
 def test_loss_mode_needs_a_trainer_that_applies_it():
     from miles_agent.config import load_config
-    from miles_agent.distill import build_distiller
+    from miles_agent.teacher import build_distiller
 
     cfg = load_config("tiny-distill", {"train.backend": "my-plugin-trainer", "algo.distill_mode": "loss"})
     with pytest.raises(UserError, match="distill_mode=loss is applied by the fsdp2 and megatron.*distill_mode=reward"):

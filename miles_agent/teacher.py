@@ -1,4 +1,4 @@
-"""On-policy distillation: the student samples episodes with its normal harness, a teacher scores them.
+"""On-policy distillation's teacher: the student samples episodes with its harness, a teacher engine scores them.
 
 The teacher is a second engine behind the same contract (`miles_agent.engine.Scorer`: SGLang's
 ``/generate`` with ``max_new_tokens=0`` and input-token logprobs), holding an HF folder given by
