@@ -5,7 +5,7 @@
 * `router` -- register servers with sglang_router.
 * `wire` -- the ``/generate`` payloads, including base64 routed experts for R3.
 
-`build_sglang_engines` turns the ``sglang`` config section into one client per server: it attaches to
+`build_engines` (the ``sglang`` entry point of ``miles_agent.engines``) turns the ``sglang`` config section into one client per server: it attaches to
 ``sglang.external_urls`` when given, else launches ``sglang.num_servers`` servers.
 """
 
@@ -39,7 +39,8 @@ def model_folder(cfg: Any, model: Any = None, tokenizer: Any = None) -> str:
     return cfg.model.hf_checkpoint or _save_initial(cfg, model, tokenizer)
 
 
-def build_sglang_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> list[Any]:
+def build_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> list[Any]:
+    """SGLang servers over HTTP: attach to ``sglang.external_urls`` or launch ``sglang.num_servers``."""
     from miles_agent.engines.sglang.client import SGLangEngine
     from miles_agent.engines.sglang.server import DEFAULT_LAUNCH, SGLangServer, free_port, server_argv
 

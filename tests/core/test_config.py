@@ -48,3 +48,12 @@ def test_config_is_frozen():
     cfg = load_config()
     with pytest.raises(AttributeError):
         cfg.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_renamed_values_are_still_read_with_a_warning(caplog):
+    """"local" named the engine, the sandbox and the cluster mode; the engine and mode were renamed."""
+    with caplog.at_level("WARNING", logger="miles_agent.config"):
+        cfg = load_config(None, ["rollout.engine=local", "cluster.mode=local"])
+    assert cfg.rollout.engine == "embedded" and cfg.cluster.mode == "inprocess" and cfg.env.sandbox == "local"
+    assert "rollout.engine=local is now called rollout.engine=embedded" in caplog.text
+    assert "cluster.mode=local is now called cluster.mode=inprocess" in caplog.text
