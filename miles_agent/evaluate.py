@@ -36,13 +36,19 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
         engine = pol = registry.load("engines", EMBEDDED_ENGINE)(cfg, model, tokenizer)[0]
     else:
         raise UserError(f"unknown --policy {policy!r}; use 'model' or 'oracle'")
-    runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
     try:
-        trajs = await collect(runner, tasks, 1, pol, cfg.rollout.concurrency)
+        return await score_policy(cfg, env, tokenizer, pol, tasks, make_sandbox)
     finally:
         if engine is not None:
             await engine.shutdown()
-    return rollout_metrics(trajs)
+
+
+async def score_policy(cfg: Config, env: Any, tokenizer: Any, policy: Any, tasks: list[Any],
+                       make_sandbox: Any = None) -> dict[str, float]:
+    """Each task played once by ``policy`` through the configured harness: the rollout metrics
+    (``reward_mean``, ``episodes``, ``failed`` ...). The CLI's eval and ``run.eval_every`` both use it."""
+    runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
+    return rollout_metrics(await collect(runner, tasks, 1, policy, cfg.rollout.concurrency))
 
 
 async def _solve_with_oracle(runner: EpisodeRunner, tasks: list[Any], concurrency: int) -> dict[str, float]:

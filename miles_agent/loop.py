@@ -30,6 +30,7 @@ import numpy as np
 from miles_agent.build import build_env, build_harness, check_device, env_sandboxes
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
+from miles_agent.errors import UserError
 from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner
@@ -75,6 +76,7 @@ class Run:
         self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
                                     make_sandbox=env_sandboxes(cfg, self.env))
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        self.eval_tasks = eval_tasks(cfg, self.env)  # run.eval_every: the env's eval split, checked now
         # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
         self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
@@ -149,6 +151,8 @@ class Run:
                                "time/step": t3 - t0,
                                "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
                 self.step += 1
+                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
+                    record.update(await self._evaluate(progress))
                 self.metrics.write(record)
                 records.append(record)
                 if progress:
@@ -160,6 +164,17 @@ class Run:
             await self.scheduler.close()
         self.trainer.save_hf(self.run_dir / "final")
         return records
+
+    async def _evaluate(self, progress: Any) -> dict[str, float]:
+        """The current policy (the weights just pushed) on the eval split, as ``eval/*`` metrics."""
+        from miles_agent.evaluate import score_policy
+
+        if progress:
+            progress.phase("eval")
+        t0 = time.perf_counter()
+        metrics = await score_policy(self.cfg, self.env, self.tokenizer, self.engine, self.eval_tasks,
+                                     env_sandboxes(self.cfg, self.env))
+        return {**{f"eval/{k}": v for k, v in metrics.items()}, "time/eval": time.perf_counter() - t0}
 
     async def _train_step(self, batch: Any) -> dict[str, float]:
         """In sync mode inline; otherwise in a worker thread, so episodes keep running on the event loop."""
@@ -209,6 +224,19 @@ class Run:
         tmp = self.metrics.path.with_name(self.metrics.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.metrics.path)
+
+
+def eval_tasks(cfg: Config, env: Any) -> list[Any]:
+    """The tasks ``run.eval_every`` plays (none when it is 0); an env without an eval split fails here."""
+    if cfg.run.eval_every < 0:
+        raise UserError(f"run.eval_every must be >= 0 (0 = never), got {cfg.run.eval_every}")
+    if not cfg.run.eval_every:
+        return []
+    try:
+        return env.tasks("eval")
+    except ValueError as e:
+        raise UserError(f"run.eval_every={cfg.run.eval_every} plays the environment's eval split, which "
+                        f"{env.name!r} does not have ({e}); set run.eval_every=0") from None
 
 
 def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
