@@ -1,7 +1,10 @@
-"""The parts every stage builds from a config: the environment, its harness, its sandboxes, the device check.
+"""The parts every stage builds from a config: the choice check, the environment, its harness, its
+sandboxes.
 
 RL (loop.py), SFT, distillation, warm start, eval and replay all start here rather than from one
-another, and reach plug-ins only through the registry (``env.name``, ``env.harness``, ``env.sandbox``).
+another, and reach plug-ins only through the registry. `check_choices` runs first: every key that
+picks something (a plug-in name, an algorithm, a mode) is checked before any model loads or actor
+starts, so a typo costs a second, not a model load.
 """
 
 from __future__ import annotations
@@ -20,6 +23,33 @@ from miles_agent.errors import UserError
 
 DEFAULT_HARNESS = "chat-tools"
 EMBEDDED_ENGINE = "embedded"  # the engine eval and a distillation teacher run in this process
+
+
+def check_choices(cfg: Config) -> None:
+    """Every choice key names something that exists and fits the others; raises UserError naming the key."""
+    from miles_agent.algorithms import distill, losses, mismatch
+    from miles_agent.algorithms.estimators import check_estimator
+    from miles_agent.components import offload_enabled
+    from miles_agent.scheduling import check_config as check_scheduling
+    from miles_agent.sinks import parse_sinks
+
+    check_device(cfg.model.device)
+    check_scheduling(cfg.rollout)
+    check_estimator(cfg.algo, cfg.rollout.samples_per_prompt)
+    losses.validate_options(cfg.algo)
+    mismatch.check_options(cfg.algo)
+    if cfg.algo.distill_teacher is not None:
+        distill.check_mode(cfg.algo.distill_mode)
+    parse_sinks(cfg.run.sinks)
+    offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
+    registry.load("envs", cfg.env.name, key="env.name")
+    if cfg.env.harness:
+        registry.load("harnesses", cfg.env.harness, key="env.harness")
+    registry.load("trainers", cfg.train.backend, key="train.backend")
+    registry.load("engines", cfg.rollout.engine, key="rollout.engine")
+    cluster = registry.load("clusters", cfg.cluster.mode, key="cluster.mode")
+    if callable(getattr(cluster, "check", None)):
+        cluster.check(cfg)
 
 
 def build_env(cfg: Config) -> Environment:

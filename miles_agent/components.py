@@ -23,7 +23,8 @@ OFFLOAD_CHOICES = ("auto", True, False)
 
 
 class Cluster(Protocol):
-    """Where a run's parts live. ``cls(cfg)`` then trainer, engines, transport, in that order."""
+    """Where a run's parts live. ``cls(cfg)`` then trainer, engines, transport, in that order; an
+    optional ``cls.check(cfg)`` refuses a choice it cannot build before anything loads (build.check_choices)."""
 
     def trainer(self, model: Any, tokenizer: Any) -> Any: ...
 
@@ -55,6 +56,10 @@ class InProcessCluster:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
+    @staticmethod
+    def check(cfg: Config) -> None:
+        transport_builder(cfg)
+
     def trainer(self, model: Any, tokenizer: Any) -> Any:
         cfg = self.cfg
         offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)  # true is refused
@@ -69,15 +74,18 @@ class InProcessCluster:
         return build_transport(self.cfg, engines)
 
 
-def build_transport(cfg: Config, engines: list[Any]) -> Any:
-    """The ``sync.transport`` plug-in over engines in this process (``auto`` = ``inprocess``)."""
-    sync = cfg.sync
-    name = "inprocess" if sync.transport == "auto" else sync.transport
+def transport_builder(cfg: Config) -> Any:
+    """The ``sync.transport`` plug-in for engines the driver talks to itself (``auto`` = ``inprocess``)."""
+    name = "inprocess" if cfg.sync.transport == "auto" else cfg.sync.transport
     if name == "object-store":
         raise UserError("sync.transport=object-store sends weights through Ray's object store: it needs "
                         "cluster.mode=ray; in one process use sync.transport=inprocess, shm, distributed or disk")
-    build = registry.load("transports", name, key="sync.transport")
-    return build(sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device)
+    return registry.load("transports", name, key="sync.transport")
+
+
+def build_transport(cfg: Config, engines: list[Any]) -> Any:
+    """The ``sync.transport`` plug-in over these engines."""
+    return transport_builder(cfg)(cfg.sync, engines, run_dir=cfg.run.run_dir, device=cfg.model.device)
 
 
 def build_critic(cfg: Config, model: Any, tokenizer: Any) -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from miles_agent.build import build_env, build_harness, check_device, env_sandboxes
+from miles_agent.build import build_env, build_harness, check_choices, env_sandboxes
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
 from miles_agent.errors import UserError
@@ -37,7 +37,6 @@ from miles_agent.rollout.episodes import EpisodeRunner
 from miles_agent.rollout.routing_capture import RoutingCapture
 from miles_agent.run_state import capture_rng, latest_checkpoint, restore_rng, write_checkpoint
 from miles_agent.scheduling import RolloutScheduler, TaskSampler
-from miles_agent.scheduling import check_config as check_scheduling
 from miles_agent.sinks import build_sinks
 from miles_agent.types import Status
 
@@ -51,19 +50,18 @@ class Run:
         import torch
 
         from miles_agent.algorithms.batch_builder import BatchBuilder
-        from miles_agent.algorithms.estimators import check_estimator
         from miles_agent.components import build_critic, cluster_for
         from miles_agent.models.loading import load_policy
         from miles_agent.teacher import build_distiller
 
-        check_device(cfg.model.device)
-        check_scheduling(cfg.rollout)
+        check_choices(cfg)  # a bad name fails before any work
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
-        check_estimator(cfg.algo, cfg.rollout.samples_per_prompt)  # a bad name fails before any work
         self.env = build_env(cfg)
+        make_sandbox = env_sandboxes(cfg, self.env)  # sandbox options checked before the model loads
+        self.eval_tasks = eval_tasks(cfg, self.env)  # run.eval_every: the env's eval split, checked now
         model, self.tokenizer = load_policy(cfg, self.env)
         engine_model = copy.deepcopy(model)  # before the trainer shards its own copy
         critic = build_critic(cfg, model, self.tokenizer)  # copies the policy before the trainer shards it
@@ -73,10 +71,8 @@ class Run:
         self.engines = self.cluster.engines(engine_model, self.tokenizer)
         self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
         self.transport = self.cluster.transport(self.trainer, self.engines)
-        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
-                                    make_sandbox=env_sandboxes(cfg, self.env))
+        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox)
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
-        self.eval_tasks = eval_tasks(cfg, self.env)  # run.eval_every: the env's eval split, checked now
         # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
         self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,

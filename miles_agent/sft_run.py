@@ -33,12 +33,12 @@ class SFTRun:
     def __init__(self, cfg: Config) -> None:
         import torch
 
-        from miles_agent.build import build_env, check_device
+        from miles_agent.build import build_env, check_choices
         from miles_agent.components import build_trainer
         from miles_agent.models.loading import load_policy
         from miles_agent.sinks import build_sinks
 
-        check_device(cfg.model.device)
+        check_choices(cfg)
         if cfg.sft.batch_size < 1 or cfg.sft.max_examples < 0:
             raise UserError(f"sft.batch_size must be >= 1 and sft.max_examples >= 0 (0 = all), got "
                             f"{cfg.sft.batch_size} and {cfg.sft.max_examples}")

@@ -77,6 +77,16 @@ class RayCluster:
         self.cfg = cfg
         self.session: RaySession | None = None  # reserved on first use (the trainer is built first)
 
+    @staticmethod
+    def check(cfg: Config) -> None:
+        """The transport choice, checked before Ray starts or any model loads."""
+        if cfg.rollout.engine != "sglang":
+            _check_actor_transport(cfg)
+        elif cfg.sglang.external_urls or cfg.cluster.colocate or cfg.sync.transport != "distributed":
+            from miles_agent.components import transport_builder
+
+            transport_builder(cfg)
+
     def _session(self) -> RaySession:
         if self.session is None:
             cfg, c = self.cfg, self.cfg.cluster
@@ -155,17 +165,8 @@ class RayCluster:
     def _actor_transport(self, trainer: Any, engines: list[Any]) -> Any:
         """object-store (``auto``): through Ray's object store, via the driver. distributed: trainer rank 0
         broadcasts to the engine actors itself (runtime/rank0_sync.py)."""
-        cfg, sync = self.cfg, self.cfg.sync
-        if sync.transport in ("auto", "object-store"):
+        if _check_actor_transport(self.cfg) == "object-store":
             return ObjectStoreTransport(engines[0], trainer)
-        if sync.transport != "distributed":
-            raise UserError(f"cluster.mode=ray sends weights through Ray's object store (sync.transport=object-store, "
-                            f"the default) or from trainer rank 0 over a process group (sync.transport=distributed); "
-                            f"sync.transport={sync.transport} is for cluster.mode=inprocess")
-        if cfg.cluster.colocate:
-            raise UserError("sync.transport=distributed cannot reach colocated engines: they share their trainer "
-                            "rank's GPU and NCCL cannot connect two processes on one device; leave "
-                            "sync.transport=object-store (the default) or set cluster.colocate=false")
         from miles_agent.runtime.rank0_sync import RankZeroTransport
 
         return RankZeroTransport(trainer, engines[0], self.rank0_options())
@@ -201,6 +202,22 @@ class RayCluster:
                     bucket_bytes=sync.bucket_mb << 20, check=sync.check,
                     strip_prefix=sync.strip_prefix, add_prefix=sync.add_prefix,
                     control_timeout_s=cfg.sglang.control_timeout_s)
+
+
+def _check_actor_transport(cfg: Config) -> str:
+    """``object-store`` or ``distributed``: the transports that reach supervised engine actors."""
+    sync = cfg.sync
+    if sync.transport in ("auto", "object-store"):
+        return "object-store"
+    if sync.transport != "distributed":
+        raise UserError(f"cluster.mode=ray sends weights through Ray's object store (sync.transport=object-store, "
+                        f"the default) or from trainer rank 0 over a process group (sync.transport=distributed); "
+                        f"sync.transport={sync.transport} is for cluster.mode=inprocess")
+    if cfg.cluster.colocate:
+        raise UserError("sync.transport=distributed cannot reach colocated engines: they share their trainer "
+                        "rank's GPU and NCCL cannot connect two processes on one device; leave "
+                        "sync.transport=object-store (the default) or set cluster.colocate=false")
+    return "distributed"
 
 
 def _rank0_address(configured: str, loopback: bool) -> str:
