@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
+from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
 from miles_agent.models.builder import build_tiny, tiny_config
 from miles_agent.trainer import TrainBatch
+from miles_agent.trainers.megatron.options import MegatronConfig
 from miles_agent.types import Trajectory
 
 # A mid-size MoE (Qwen3-MoE shape, random init): big enough that a GPU is busy, small enough to build in

@@ -99,8 +99,10 @@ def build_critic(cfg: Config, model: Any, tokenizer: Any) -> Any:
 
 
 def trainer_extra(cfg: Config) -> dict[str, Any]:
-    """Backend-specific trainer arguments (Megatron's parallel layout), in-process or on Ray ranks."""
-    return {"megatron": cfg.megatron} if cfg.train.backend == "megatron" else {}
+    """A trainer that owns the config section of its own name (``megatron``) gets it as the keyword
+    argument of that name, in-process or on Ray ranks."""
+    name = cfg.train.backend
+    return {name: cfg.sections[name]} if name in cfg.sections else {}
 
 
 def offload_enabled(offload: bool | str, *, colocate: bool, mode: str) -> bool:

@@ -1,6 +1,7 @@
 """Typed run configuration: a recipe file plus ``section.key=value`` overrides, one source of truth.
 
-Each section is a frozen dataclass owned by the part that reads it. Nobody reads a config through
+Each section is a frozen dataclass owned by the part that reads it; a plug-in declares its own (``sglang``,
+``megatron``) through the ``miles_agent.sections`` entry-point group. Nobody reads a config through
 ``getattr(args, x, default)``: a key that does not exist is an error at load time, with the closest
 valid key suggested.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import types
 import typing
@@ -72,19 +74,6 @@ class TrainConfig:
     ppo_epochs: int = 1  # passes over the rollout batch; old logprobs are computed once before the first
     world_size: int = 1  # FSDP2 ranks; 1 runs in-process
     offload: bool | str = "auto"  # state to host while engines generate; auto = on with cluster.colocate (Ray)
-
-
-@dataclass(frozen=True)
-class MegatronConfig:
-    """Parallel layout for train.backend=megatron (ranks = tensor * pipeline * context * data)."""
-
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    expert_parallel: int = 1  # MoE experts split over this many ranks of each pipeline stage
-    expert_tensor_parallel: int = 1
-    context_parallel: int = 1
-    first_stage_layers: int | None = None  # uneven pipelines: layers on the first / last stage
-    last_stage_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -195,48 +184,48 @@ class SyncConfig:
 
 
 @dataclass(frozen=True)
-class SGLangConfig:
-    # rollout.engine=sglang: SGLang servers over HTTP (engines/sglang/).
-    external_urls: list[str] = field(default_factory=list)  # attach to running servers; [] = launch them
-    num_servers: int = 1  # servers to launch when external_urls is empty
-    tp_size: int = 1  # --tp-size of each launched server
-    mem_fraction_static: float | None = None  # --mem-fraction-static; None = SGLang's default
-    server_args: dict[str, Any] = field(default_factory=dict)  # any other launch_server argument, verbatim
-    router_url: str = ""  # register servers with this sglang_router and generate through it
-    host: str = "127.0.0.1"  # where launched servers listen
-    base_port: int = 0  # first port of launched servers; 0 = free ports
-    launch_command: str = ""  # "" = <this python> -m sglang.launch_server
-    startup_timeout_s: float = 900.0
-    request_timeout_s: float = 900.0  # one /generate; past it the request is aborted and the episode retried
-    control_timeout_s: float = 600.0  # pause, weight updates, health
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.external_urls, list) or not all(isinstance(u, str) for u in self.external_urls):
-            raise UserError(f"sglang.external_urls must be a list of URLs, e.g. [http://127.0.0.1:30000], "
-                            f"got {self.external_urls!r}")
-        if not isinstance(self.server_args, dict):
-            raise UserError(f"sglang.server_args must be a mapping of SGLang server arguments, e.g. "
-                            f"{{tp_size: 2}}, got {self.server_args!r}")
-        if self.num_servers < 1 or self.tp_size < 1:
-            raise UserError("sglang.num_servers and sglang.tp_size must be >= 1")
-
-
-@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    # The plug-ins' own sections (entry-point group miles_agent.sections, e.g. sglang, megatron), read as
+    # cfg.<name> like the core's; every installed section is present, with its defaults when not given.
+    sections: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = {name: cls() for name, cls in section_types().items() if name not in self.sections}
+        if missing:
+            object.__setattr__(self, "sections", {**self.sections, **missing})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "sections":  # copy / pickle probe before __init__ ran
+            raise AttributeError(name)
+        try:
+            return self.sections[name]
+        except KeyError:
+            raise AttributeError(f"config has no section {name!r}") from None
+
+    def with_section(self, name: str, value: Any) -> Config:
+        return dataclasses.replace(self, sections={**self.sections, name: value})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d.update(d.pop("sections"))
+        return d
+
+
+@functools.lru_cache(maxsize=1)
+def section_types() -> dict[str, type]:
+    """Section name -> its dataclass, for every installed ``miles_agent.sections`` entry point."""
+    from miles_agent import registry
+
+    return {name: registry.load("sections", name) for name in registry.names("sections")}
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -285,7 +274,9 @@ def load_config(recipe: str | None = None, overrides: list[str] | dict[str, Any]
         if not isinstance(data[section], dict):
             raise UserError(f"recipe section {section!r} must be a mapping")
         data[section][name] = value
-    return _build(Config, data, "")
+    sections = section_types()
+    given = {k: _build(sections[k], data.pop(k), k) for k in list(data) if k in sections}
+    return dataclasses.replace(_build(Config, data, "", extra=list(sections)), sections=given)
 
 
 def _split_override(text: str) -> tuple[str, Any]:
@@ -295,11 +286,12 @@ def _split_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(value) if value.strip() else ""
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
+def _build(cls: type, data: Any, where: str, extra: list[str] | None = None) -> Any:
+    """``cls`` from a mapping; ``extra``: the names also valid here (plug-in sections, at the root)."""
     if not isinstance(data, dict):
         raise UserError(f"config section {where or 'root'!r} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "sections"] + (extra or [])
     kwargs = {}
     for key, value in data.items():
         full = f"{where}.{key}" if where else key

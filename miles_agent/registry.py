@@ -17,7 +17,7 @@ from miles_agent.errors import UserError
 
 KINDS = {"envs": "environment", "harnesses": "harness", "sandboxes": "sandbox", "trainers": "trainer",
          "engines": "rollout engine", "transports": "weight transport", "clusters": "cluster mode",
-         "critics": "critic"}
+         "critics": "critic", "sections": "config section"}
 
 
 @dataclass

@@ -49,5 +49,4 @@ def with_server_args(cfg: Any, flags: dict[str, Any]) -> Any:
     """``cfg`` with ``flags`` merged over ``sglang.server_args`` (the command line wins)."""
     if not flags:
         return cfg
-    sglang = dataclasses.replace(cfg.sglang, server_args={**cfg.sglang.server_args, **flags})
-    return dataclasses.replace(cfg, sglang=sglang)
+    return cfg.with_section("sglang", dataclasses.replace(cfg.sglang, server_args={**cfg.sglang.server_args, **flags}))

@@ -28,7 +28,7 @@ from miles_agent.algorithms import mismatch
 from miles_agent.algorithms.estimators import needs_reference
 from miles_agent.algorithms.losses import loss_options, validate_options
 from miles_agent.atomic import replace_dir
-from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
+from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError, require
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches
@@ -36,6 +36,7 @@ from miles_agent.trainers.fsdp2 import init_distributed
 from miles_agent.trainers.lr_schedule import lr_at
 from miles_agent.trainers.megatron import bridge
 from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded_vocab
+from miles_agent.trainers.megatron.options import MegatronConfig
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
 from miles_agent.trainers.minibatch import plan_optimizer_steps, step_metrics, to_grid
 from miles_agent.trainers.offload import DeviceOffload
