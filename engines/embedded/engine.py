@@ -250,7 +250,7 @@ class EmbeddedEngine:
             self._running, self._waiting = [], deque()
             self._loop, self._lock, self._wake = loop, asyncio.Lock(), asyncio.Event()
         if not self._stopped and self._dead is None:
-            self._task = loop.create_task(self._run(), name="miles-agent-local-engine")
+            self._task = loop.create_task(self._run(), name="miles-agent-embedded-engine")
 
     async def _run(self) -> None:
         assert self._lock is not None and self._wake is not None
