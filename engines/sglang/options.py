@@ -10,7 +10,8 @@ from miles_agent.errors import UserError
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    # rollout.engine=sglang: SGLang servers over HTTP (engines/sglang/).
+    """SGLang servers for rollout.engine=sglang: attach to running ones or launch them (engines/sglang/)."""
+
     external_urls: list[str] = field(default_factory=list)  # attach to running servers; [] = launch them
     num_servers: int = 1  # servers to launch when external_urls is empty
     tp_size: int = 1  # --tp-size of each launched server
