@@ -7,7 +7,7 @@ Layouts (``--layout``):
   and the CPU cores are split in two: the engine and the driver on one half, the trainer rank on the
   other (``sched_setaffinity``). In sync mode each half idles while the other works -- the waste async
   scheduling removes. On 2 cores this is one core each.
-* ``shared`` -- everything in one process on all cores (``cluster.mode=local``). Decoding and the
+* ``shared`` -- everything in one process on all cores (``cluster.mode=inprocess``). Decoding and the
   train step then compete for the same cores, so overlap gains little: on 2 cores the ratio sits
   near 0.6-0.7 (see docs/results.md), a limit of the machine rather than of the scheduler.
 
@@ -66,7 +66,7 @@ def config(mode: str, steps: int, run_dir: str, args: argparse.Namespace):  # no
 
 
 LAYOUTS = {"partitioned": {"cluster.mode": "ray", "cluster.num_engines": 1, "train.world_size": 1},
-           "shared": {"cluster.mode": "local"}}
+           "shared": {"cluster.mode": "inprocess"}}
 
 
 def partition_cores(run: Run) -> dict[str, list[int]]:

@@ -161,8 +161,8 @@ def trl(target: float, max_steps: int, overrides: dict[str, Any], out_dir: str, 
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from miles_agent.build import build_env
     from miles_agent.config import load_config
-    from miles_agent.loop import build_env
     from miles_agent.models.loading import load_policy
 
     cfg = load_config(RECIPE, overrides)

@@ -1,4 +1,4 @@
-"""Benchmark: the embedded LocalEngine vs HF ``model.generate`` on the same tiny model, same process.
+"""Benchmark: the embedded EmbeddedEngine vs HF ``model.generate`` on the same tiny model, same process.
 
 Workload (multi-turn-like): N concurrent agent episodes of T turns; each turn sends the whole
 history (prompt + earlier replies + a short observation) and samples ``new`` tokens. The engine
@@ -21,8 +21,8 @@ import time
 import torch
 
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 
 
 def make_prompts(n: int, mean_len: int, seed: int) -> list[list[int]]:
@@ -37,7 +37,7 @@ def next_turn(histories: list[list[int]], replies: list[list[int]], seed: int) -
     return [h + r + o for h, r, o in zip(histories, replies, obs)]
 
 
-def run_engine(engine: LocalEngine, prompts: list[list[int]], turns: int, new: int) -> int:
+def run_engine(engine: EmbeddedEngine, prompts: list[list[int]], turns: int, new: int) -> int:
     sampling = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.95)
 
     async def main() -> int:
@@ -121,7 +121,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, tok = build_tiny(a.arch)
     model = model.to(a.device)
-    engine = LocalEngine(copy.deepcopy(model), tok, device=a.device, max_batch_size=max(a.episodes, 1))
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, device=a.device, max_batch_size=max(a.episodes, 1))
     engine.eos_ids = frozenset()  # equal work: every request samples exactly --new tokens
     prompts = make_prompts(a.episodes, a.prompt_len, seed=0)
     run_engine(engine, make_prompts(2, 8, seed=1), 1, 2)  # warm-up (thread pool, allocator)
@@ -129,14 +129,14 @@ def main() -> None:
     print(f"{a.arch} on {a.device}: {a.episodes} episodes x {a.turns} turns, ~{a.prompt_len}-token prompts, "
           f"{a.new} new tokens, torch threads {torch.get_num_threads()}, best of {a.repeat}")
     results = {
-        "local engine": best_of(a.repeat, run_engine, engine, prompts, a.turns, a.new),
+        "embedded engine": best_of(a.repeat, run_engine, engine, prompts, a.turns, a.new),
         "hf generate, padded batch": best_of(a.repeat, run_hf_batched, model, prompts, a.turns, a.new),
         f"hf generate, 1 at a time ({a.seq_episodes} ep)":
             best_of(1, run_hf_sequential, model, prompts[: a.seq_episodes], a.turns, a.new),
     }
     for name, (secs, tokens) in results.items():
         print(f"  {name:34s} {tokens:6d} tokens  {secs:7.2f} s  {tokens / secs:9.1f} tok/s")
-    eng = results["local engine"][1] / results["local engine"][0]
+    eng = results["embedded engine"][1] / results["embedded engine"][0]
     for name in list(results)[1:]:
         print(f"  ratio engine / {name:34s} {eng / (results[name][1] / results[name][0]):6.2f}x")
     print(f"  engine mean decode batch {engine.mean_decode_batch:.1f} over {engine.stats['decode_steps']} steps")

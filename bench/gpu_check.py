@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
+from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
 from miles_agent.models.builder import build_tiny, tiny_config
 from miles_agent.trainer import TrainBatch
+from miles_agent.trainers.megatron.options import MegatronConfig
 from miles_agent.types import Trajectory
 
 # A mid-size MoE (Qwen3-MoE shape, random init): big enough that a GPU is busy, small enough to build in
@@ -65,9 +66,9 @@ def _reset_peak(device: str) -> None:
 
 
 def check_engine(model: Any, tok: Any, device: str, n: int, new: int) -> tuple[dict[str, Any], list[Trajectory]]:
-    from miles_agent.rollout.local import LocalEngine
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
 
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=n, device=device)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=n, device=device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (int(k),), generator=g).tolist()
                for k in torch.randint(48, 96, (n,), generator=g)]

@@ -1,6 +1,6 @@
 """Benchmark: what the OpenAI-compatible proxy costs an episode, against calling the engine directly.
 
-Workload: N concurrent chat episodes of T turns on the tiny model (LocalEngine, tools in the prompt, a
+Workload: N concurrent chat episodes of T turns on the tiny model (EmbeddedEngine, tools in the prompt, a
 tool-result message after every turn). The baseline does the TITO bookkeeping in-process -- render the
 first prompt, then `ChatRenderer.observation_ids` per turn -- and calls ``engine.generate``; the proxy run
 sends the same conversations through HTTP with the official ``openai`` client. Both sample at most
@@ -22,10 +22,10 @@ import torch
 from openai import AsyncOpenAI
 
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
+from miles_agent.harnesses.proxy import ProxyLimits, ProxyServer
 from miles_agent.models.builder import build_tiny
 from miles_agent.models.tokenizer import stop_token_ids
-from miles_agent.proxy import ProxyLimits, ProxyServer
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.tito import ChatRenderer
 
 SAMPLED = {"direct": 0, "proxy": 0}
@@ -36,7 +36,7 @@ def opening(i: int) -> list[dict]:
     return [{"role": "system", "content": "Use calc."}, {"role": "user", "content": f"What is {i}*{i + 7}?"}]
 
 
-async def direct(engine: LocalEngine, tok, episodes: int, turns: int, new: int) -> None:
+async def direct(engine: EmbeddedEngine, tok, episodes: int, turns: int, new: int) -> None:
     stops = stop_token_ids(tok)  # what the proxy asks the engine to stop on
     sampling = SamplingParams(max_new_tokens=new, temperature=1.0, stop_token_ids=stops)
 
@@ -58,7 +58,7 @@ async def direct(engine: LocalEngine, tok, episodes: int, turns: int, new: int) 
     await asyncio.gather(*[one(i) for i in range(episodes)])
 
 
-async def proxied(engine: LocalEngine, tok, episodes: int, turns: int, new: int) -> None:
+async def proxied(engine: EmbeddedEngine, tok, episodes: int, turns: int, new: int) -> None:
     limits = ProxyLimits(max_new_tokens_per_turn=new)
     async with ProxyServer(engine, tok, limits=limits, sampling=SamplingParams(temperature=1.0)) as server, \
             httpx.AsyncClient() as http:
@@ -88,7 +88,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model, tok = build_tiny("tiny-qwen3")
-    engine = LocalEngine(model, tok, max_batch_size=64)
+    engine = EmbeddedEngine(model, tok, max_batch_size=64)
 
     async def run() -> dict[str, float]:
         await direct(engine, tok, 2, 1, 4)  # warm up both paths
@@ -103,7 +103,7 @@ def main() -> None:
         return out
 
     r = asyncio.run(run())
-    print(f"{a.episodes} episodes x {a.turns} turns x {a.new} new tokens (tiny-qwen3, LocalEngine)")
+    print(f"{a.episodes} episodes x {a.turns} turns x {a.new} new tokens (tiny-qwen3, EmbeddedEngine)")
     print(f"direct TITO harness : {r['direct']:.2f} episodes/s ({SAMPLED['direct']} tokens sampled)")
     print(f"proxy + openai SDK  : {r['proxy']:.2f} episodes/s ({SAMPLED['proxy']} tokens sampled)")
     print(f"ratio proxy/direct  : {r['proxy'] / r['direct']:.2f}")

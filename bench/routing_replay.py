@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.trainers import routing_replay
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
 from miles_agent.types import Trajectory
@@ -69,7 +69,7 @@ def main() -> None:
     else:
         for router in routing_replay.moe_routers(engine_model):
             bf16_router(router)
-    engine = LocalEngine(engine_model, tok, max_batch_size=16)
+    engine = EmbeddedEngine(engine_model, tok, max_batch_size=16)
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, 256, (int(torch.randint(4, 40, (1,), generator=g)),), generator=g).tolist()
                for _ in range(args.requests)]

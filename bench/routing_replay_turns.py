@@ -28,12 +28,12 @@ import torch
 
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.trainers import routing_replay
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
+from miles_agent.transports import InProcessTransport
 from miles_agent.types import Trajectory
-from miles_agent.weight_sync import InProcessTransport
 
 try:
     from bench.routing_replay import bf16_router
@@ -48,7 +48,7 @@ def two_turn_episodes(model, tok, other, n: int, tokens: int, seed: int):
     engine_model = copy.deepcopy(model)
     for router in routing_replay.moe_routers(engine_model):
         bf16_router(router)
-    engine = LocalEngine(engine_model, tok, max_batch_size=n)
+    engine = EmbeddedEngine(engine_model, tok, max_batch_size=n)
     engine.eos_ids = frozenset()
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (int(torch.randint(4, 16, (1,), generator=g)),), generator=g).tolist()

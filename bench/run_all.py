@@ -3,7 +3,7 @@ the same run, with min / median / max over repeats, printed and written as JSON 
 
 | bench | ours | baseline |
 |---|---|---|
-| engine_vs_hf | embedded LocalEngine, multi-turn workload | HF ``generate`` (padded batch; one at a time) |
+| engine_vs_hf | embedded EmbeddedEngine, multi-turn workload | HF ``generate`` (padded batch; one at a time) |
 | trainer_vs_trl | FSDP2 trainer tokens/s | TRL GRPOTrainer loss/backward/step, same batch |
 | sandbox_overhead | bubblewrap sandbox exec latency | bare subprocess (ratio = cost multiple) |
 | weight_sync | bench/weight_sync.py (if present) | its own raw copy / broadcast baseline |
@@ -55,14 +55,14 @@ def engine_vs_hf(quick: bool, repeats: int) -> dict[str, Any]:
 
     import torch
 
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
     from miles_agent.models.builder import build_tiny
-    from miles_agent.rollout.local import LocalEngine
 
     m = load_bench("engine_vs_hf")
     episodes, seq_episodes, turns, new, plen = (8, 2, 1, 8, 32) if quick else (32, 8, 2, 64, 100)
     torch.manual_seed(0)
     model, tok = build_tiny("tiny-qwen3")
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=episodes)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=episodes)
     engine.eos_ids = frozenset()  # equal work: every request samples exactly `new` tokens
     prompts = m.make_prompts(episodes, plen, seed=0)
     m.run_engine(engine, m.make_prompts(2, 8, seed=1), 1, 2)  # warm-up

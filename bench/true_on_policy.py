@@ -24,14 +24,14 @@ import torch
 
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
 from miles_agent.types import Trajectory
 
 
-def rollout(engine: LocalEngine, n: int, new: int) -> tuple[list[Trajectory], float]:
+def rollout(engine: EmbeddedEngine, n: int, new: int) -> tuple[list[Trajectory], float]:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (int(torch.randint(16, 48, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n)]
@@ -54,7 +54,7 @@ def rollout(engine: LocalEngine, n: int, new: int) -> tuple[list[Trajectory], fl
 
 def measure(arch: str, exact: bool, n: int, new: int) -> dict[str, float]:
     model, tok = build_tiny(arch, seed=0)
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=n, true_on_policy=exact)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=n, true_on_policy=exact)
     engine.eos_ids = frozenset()
     rollout(engine, 2, 4)  # warm-up
     trajs, gen_s = rollout(engine, n, new)

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from miles_agent.weight_sync import DiskTransport, DistributedTransport, SharedMemoryTransport
-from miles_agent.weight_sync.core import flat_buckets
-from miles_agent.weight_sync.dist import free_port, init_custom_process_group
-from miles_agent.weight_sync.process import EngineProcess
+from miles_agent.engines.embedded.process import EngineProcess
+from miles_agent.transports import DiskTransport, DistributedTransport, SharedMemoryTransport
+from miles_agent.transports.core import flat_buckets
+from miles_agent.transports.groups import free_port, init_custom_process_group
 
 GOAL = 0.8
 

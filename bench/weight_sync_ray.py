@@ -4,11 +4,11 @@ same bytes between two Ray actors, in the same run.
 The real stack: one FSDP2 trainer rank as a Ray actor (`RayTrainerGroup`) and one embedded engine actor
 under the `EngineSupervisor`, with a Qwen3-shaped model (random init). Per repeat, interleaved:
 
-- object store (``sync.transport`` unset): rank 0 gathers, packs and ``ray.put``s the weights, the engine
+- object store (``sync.transport=object-store``, the default): rank 0 gathers, packs and ``ray.put``s the weights, the engine
   reads and loads them -- against the cheapest raw hop: one actor ``ray.put``s the bytes as one flat numpy
   array (one memcpy into the store), another ``ray.get``s it (zero-copy) and copies it into a
   preallocated buffer. The real path also packs the tensors (one more memcpy) and pauses the engine.
-- rank 0 broadcast (``sync.transport=distributed``, miles_agent/runtime/rank0_sync.py): rank 0 gathers
+- rank 0 broadcast (``sync.transport=distributed``, runtime/rank0_sync.py): rank 0 gathers
   and broadcasts over gloo to the engine actor -- against raw gloo broadcasts of the same tensors from
   one actor into preallocated buffers of another. Goal >= 0.8.
 
@@ -43,12 +43,12 @@ class RawPeer:
         self.group = None
 
     def port(self) -> int:
-        from miles_agent.weight_sync.dist import free_port
+        from miles_agent.transports.groups import free_port
 
         return free_port()
 
     def join(self, port: int, rank: int) -> None:
-        from miles_agent.weight_sync.dist import init_custom_process_group
+        from miles_agent.transports.groups import init_custom_process_group
 
         self.group = init_custom_process_group("gloo", "127.0.0.1", port, rank, 2, "raw_baseline")
 

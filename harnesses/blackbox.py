@@ -30,7 +30,7 @@ from typing import Any
 from miles_agent.engine import Policy, SamplingParams
 from miles_agent.environment import EnvSession, Harness, HarnessLimits, Task
 from miles_agent.errors import UserError
-from miles_agent.proxy import ProxyLimits, ProxyServer, Session
+from miles_agent.harnesses.proxy import ProxyLimits, ProxyServer, Session
 from miles_agent.types import Status, Trajectory
 
 _LOG_TAIL = 4096  # bytes of agent output kept for the trajectory's metadata

@@ -16,7 +16,7 @@ from miles_agent.engine import Policy, SamplingParams
 from miles_agent.environment import EnvSession, Harness, HarnessLimits, Task
 from miles_agent.errors import UserError
 from miles_agent.harnesses.blackbox import AgentOutcome, BlackBoxHarness, EnvTools
-from miles_agent.proxy import ProxyLimits, ProxyServer
+from miles_agent.harnesses.proxy import ProxyLimits, ProxyServer
 from miles_agent.types import Trajectory
 
 

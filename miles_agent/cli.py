@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="eval")
     e.add_argument("--limit", type=int, help="evaluate at most this many tasks")
 
-    for kind in ("envs", "harnesses", "sandboxes", "trainers"):
-        k = sub.add_parser(kind, help=f"list installed {kind}")
+    from miles_agent.registry import KINDS
+
+    for kind in KINDS:
+        k = sub.add_parser(kind, help=f"list installed {kind} ({KINDS[kind]} plug-ins)")
         k.add_argument("action", choices=["list"])
 
     s = sub.add_parser("sandbox", help="run a command in a sandbox by hand (miles-agent sandbox exec -- CMD)",
@@ -76,7 +78,7 @@ def _config(args: argparse.Namespace) -> Any:
             extra[key] = value
     if getattr(args, "ray_address", None):
         extra.update({"cluster.mode": "ray", "cluster.ray_address": args.ray_address})
-    from miles_agent.rollout.sglang.cli_args import with_server_args
+    from miles_agent.server_flags import with_server_args
 
     return with_server_args(load_config(args.recipe, list(args.overrides), extra),
                             getattr(args, "sglang_server_args", {}))
@@ -203,8 +205,8 @@ def _stdout_closed() -> int:
 
 
 def cmd_warmstart(args: argparse.Namespace) -> int:
+    from miles_agent.build import build_env
     from miles_agent.config import load_config
-    from miles_agent.loop import build_env
     from miles_agent.warmstart import build_warm_start, cache_path
 
     env = build_env(load_config(None, {"env.name": args.env}))
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["sandbox"] and "--" in argv:
         cut = argv.index("--")
         argv, command_after_dashes = argv[:cut], argv[cut + 1:]
-    from miles_agent.rollout.sglang.cli_args import split_sglang_flags
+    from miles_agent.server_flags import split_sglang_flags
 
     argv, sglang_flags = split_sglang_flags(argv) if command_after_dashes is None else (argv, {})
     args = build_parser().parse_args(argv)

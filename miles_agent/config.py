@@ -1,6 +1,7 @@
 """Typed run configuration: a recipe file plus ``section.key=value`` overrides, one source of truth.
 
-Each section is a frozen dataclass owned by the part that reads it. Nobody reads a config through
+Each section is a frozen dataclass owned by the part that reads it; a plug-in declares its own (``sglang``,
+``megatron``) through the ``miles_agent.sections`` entry-point group. Nobody reads a config through
 ``getattr(args, x, default)``: a key that does not exist is an error at load time, with the closest
 valid key suggested.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +23,10 @@ import yaml
 from miles_agent.errors import UserError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+log = logging.getLogger(__name__)
+
+# Values renamed since release, still read: "local" named the engine, the sandbox and the cluster mode.
+RENAMED = {"rollout.engine": {"local": "embedded"}, "cluster.mode": {"local": "inprocess"}}
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "local"
+    engine: str = "embedded"  # a miles_agent.engines plug-in: embedded (in-process torch) | sglang
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
     temperature: float = 1.0
@@ -70,19 +77,6 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class MegatronConfig:
-    """Parallel layout for train.backend=megatron (ranks = tensor * pipeline * context * data)."""
-
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    expert_parallel: int = 1  # MoE experts split over this many ranks of each pipeline stage
-    expert_tensor_parallel: int = 1
-    context_parallel: int = 1
-    first_stage_layers: int | None = None  # uneven pipelines: layers on the first / last stage
-    last_stage_layers: int | None = None
-
-
-@dataclass(frozen=True)
 class AlgoConfig:
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae
     normalize_std: bool = True  # False = Dr.GRPO
@@ -110,7 +104,7 @@ class AlgoConfig:
     # Rollout/train consistency (trainers/routing_replay.py, miles_agent/true_on_policy.py):
     routing_replay: bool = False  # R3: MoE trainer forwards route by the engine's recorded expert ids
     true_on_policy: bool = False  # engine and trainer share batch-invariant kernels: bitwise-equal logprobs
-    # On-policy distillation (miles_agent/distill.py): off while distill_teacher is None.
+    # On-policy distillation (miles_agent/teacher.py): off while distill_teacher is None.
     distill_teacher: str | None = None  # the teacher's HF folder, or "builtin" = the env's warm start
     distill_mode: str = "reward"  # reward: reverse KL in per-token advantages | loss: a loss term
     distill_coef: float = 1.0  # weight of the reverse-KL signal
@@ -159,9 +153,9 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Where the parts run (miles_agent.runtime): one process, or Ray actors in placement groups."""
+    """Where the parts run: one process, or Ray actors in placement groups (runtime/)."""
 
-    mode: str = "local"  # local = everything in this process; ray = engines and trainer ranks as Ray actors
+    mode: str = "inprocess"  # a miles_agent.clusters plug-in: inprocess (this process) | ray (Ray actors)
     ray_address: str | None = None  # None = start Ray on this machine (loopback); "auto" / host:port = join
     num_engines: int = 1  # rollout engine actors (mode=ray)
     colocate: bool = False  # engines share the trainer ranks' bundles, releasing memory while they train
@@ -175,8 +169,9 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class SyncConfig:
-    # How weights reach the engines: inprocess | shm | distributed | disk (miles_agent/weight_sync/).
-    transport: str = "inprocess"
+    # How weights reach the engines (transports/): auto | inprocess | shm | distributed | disk, and under
+    # cluster.mode=ray object-store. auto = inprocess in one process, object-store with Ray engine actors.
+    transport: str = "auto"
     bucket_mb: int = 64  # extra memory a sync needs is about one bucket on each side
     check: bool = False  # after every sync, compare per-tensor checksums of trainer and engines
     backend: str = "auto"  # distributed: gloo | nccl | auto (nccl on cuda, else gloo)
@@ -189,48 +184,48 @@ class SyncConfig:
 
 
 @dataclass(frozen=True)
-class SGLangConfig:
-    # rollout.engine=sglang: SGLang servers over HTTP (miles_agent/rollout/sglang/).
-    external_urls: list[str] = field(default_factory=list)  # attach to running servers; [] = launch them
-    num_servers: int = 1  # servers to launch when external_urls is empty
-    tp_size: int = 1  # --tp-size of each launched server
-    mem_fraction_static: float | None = None  # --mem-fraction-static; None = SGLang's default
-    server_args: dict[str, Any] = field(default_factory=dict)  # any other launch_server argument, verbatim
-    router_url: str = ""  # register servers with this sglang_router and generate through it
-    host: str = "127.0.0.1"  # where launched servers listen
-    base_port: int = 0  # first port of launched servers; 0 = free ports
-    launch_command: str = ""  # "" = <this python> -m sglang.launch_server
-    startup_timeout_s: float = 900.0
-    request_timeout_s: float = 900.0  # one /generate; past it the request is aborted and the episode retried
-    control_timeout_s: float = 600.0  # pause, weight updates, health
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.external_urls, list) or not all(isinstance(u, str) for u in self.external_urls):
-            raise UserError(f"sglang.external_urls must be a list of URLs, e.g. [http://127.0.0.1:30000], "
-                            f"got {self.external_urls!r}")
-        if not isinstance(self.server_args, dict):
-            raise UserError(f"sglang.server_args must be a mapping of SGLang server arguments, e.g. "
-                            f"{{tp_size: 2}}, got {self.server_args!r}")
-        if self.num_servers < 1 or self.tp_size < 1:
-            raise UserError("sglang.num_servers and sglang.tp_size must be >= 1")
-
-
-@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    # The plug-ins' own sections (entry-point group miles_agent.sections, e.g. sglang, megatron), read as
+    # cfg.<name> like the core's; every installed section is present, with its defaults when not given.
+    sections: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = {name: cls() for name, cls in section_types().items() if name not in self.sections}
+        if missing:
+            object.__setattr__(self, "sections", {**self.sections, **missing})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "sections":  # copy / pickle probe before __init__ ran
+            raise AttributeError(name)
+        try:
+            return self.sections[name]
+        except KeyError:
+            raise AttributeError(f"config has no section {name!r}") from None
+
+    def with_section(self, name: str, value: Any) -> Config:
+        return dataclasses.replace(self, sections={**self.sections, name: value})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d.update(d.pop("sections"))
+        return d
+
+
+@functools.lru_cache(maxsize=1)
+def section_types() -> dict[str, type]:
+    """Section name -> its dataclass, for every installed ``miles_agent.sections`` entry point."""
+    from miles_agent import registry
+
+    return {name: registry.load("sections", name) for name in registry.names("sections")}
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -279,7 +274,9 @@ def load_config(recipe: str | None = None, overrides: list[str] | dict[str, Any]
         if not isinstance(data[section], dict):
             raise UserError(f"recipe section {section!r} must be a mapping")
         data[section][name] = value
-    return _build(Config, data, "")
+    sections = section_types()
+    given = {k: _build(sections[k], data.pop(k), k) for k in list(data) if k in sections}
+    return dataclasses.replace(_build(Config, data, "", extra=list(sections)), sections=given)
 
 
 def _split_override(text: str) -> tuple[str, Any]:
@@ -289,11 +286,12 @@ def _split_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(value) if value.strip() else ""
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
+def _build(cls: type, data: Any, where: str, extra: list[str] | None = None) -> Any:
+    """``cls`` from a mapping; ``extra``: the names also valid here (plug-in sections, at the root)."""
     if not isinstance(data, dict):
         raise UserError(f"config section {where or 'root'!r} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "sections"] + (extra or [])
     kwargs = {}
     for key, value in data.items():
         full = f"{where}.{key}" if where else key
@@ -302,8 +300,17 @@ def _build(cls: type, data: Any, where: str) -> Any:
             hint = f"; did you mean {(where + '.' if where else '') + close[0]!r}?" if close else \
                 f"; valid keys: {', '.join(names)}"
             raise UserError(f"unknown config key {full!r}{hint}")
-        kwargs[key] = _coerce(hints[key], value, full)
+        kwargs[key] = _renamed(full, _coerce(hints[key], value, full))
     return cls(**kwargs)
+
+
+def _renamed(key: str, value: Any) -> Any:
+    new = RENAMED.get(key, {}).get(value) if isinstance(value, str) else None
+    if new is None:
+        return value
+    log.warning("%s=%s is now called %s=%s; reading it as %s (update the recipe or override)",
+                key, value, key, new, new)
+    return new
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:

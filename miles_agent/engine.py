@@ -1,8 +1,9 @@
 """The rollout-engine contract, shaped like SGLang's ``/generate`` so that an SGLang backend is a thin client.
 
 A harness only sees `Policy` (one async ``generate``). The driver also sees `RolloutEngine`: pause and
-resume around weight updates, weight loading, health. Backends: ``local`` (the embedded torch engine,
-`miles_agent.rollout.local`) and, later, ``sglang`` (HTTP client of SGLang servers).
+resume around weight updates, weight loading, health. Backends are plug-ins (``engines/``, entry-point
+group ``miles_agent.engines``): ``embedded`` (the in-process torch engine) and ``sglang`` (HTTP client of
+SGLang servers).
 
 Torch-free on purpose: environment workers import this module.
 """
@@ -95,13 +96,6 @@ class Scores:
     logprob_start_len: int
     weight_version: int
 
-    @classmethod
-    def from_sglang(cls, reply: dict[str, Any], logprob_start_len: int) -> Scores:
-        """Parse the reply to :func:`score_request` (entries are ``[logprob, token_id, text]``)."""
-        meta = reply["meta_info"]
-        entries = meta["input_token_logprobs"][1:]
-        return cls([float(e[0]) for e in entries], logprob_start_len, int(meta.get("weight_version") or 0))
-
 
 def check_score_request(input_ids: list[int], logprob_start_len: int, temperature: float) -> None:
     if not 1 <= logprob_start_len <= len(input_ids):
@@ -109,14 +103,6 @@ def check_score_request(input_ids: list[int], logprob_start_len: int, temperatur
                          f"has nothing to condition on), got {logprob_start_len}")
     if not temperature > 0:
         raise ValueError(f"scoring temperature must be > 0, got {temperature}")
-
-
-def score_request(input_ids: list[int], logprob_start_len: int, temperature: float = 1.0) -> dict[str, Any]:
-    """SGLang ``/generate`` payload scoring ``input_ids[logprob_start_len:]``: no new token, input
-    logprobs from one position earlier (that first entry carries none and is dropped by ``from_sglang``)."""
-    check_score_request(input_ids, logprob_start_len, temperature)
-    return {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": logprob_start_len - 1,
-            "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
 
 
 @runtime_checkable
@@ -131,7 +117,7 @@ class Policy(Protocol):
 class Scorer(Protocol):
     """Teacher-forced logprobs of given tokens (no sampling): what on-policy distillation asks a teacher
     engine, and what a student engine answers for the other side of the KL. Engines implement it next
-    to `RolloutEngine`; over HTTP it is one SGLang ``/generate`` call (:func:`score_request`)."""
+    to `RolloutEngine`; over HTTP it would be one SGLang ``/generate`` with ``max_new_tokens=0``."""
 
     async def score(self, input_ids: list[int], *, logprob_start_len: int = 1,
                     temperature: float = 1.0) -> Scores: ...

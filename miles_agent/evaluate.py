@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles_agent import registry
+from miles_agent.build import EMBEDDED_ENGINE, build_env, build_harness, check_device, env_sandboxes
 from miles_agent.config import Config
 from miles_agent.errors import UserError
-from miles_agent.loop import build_env, build_harness, check_device
 from miles_agent.metrics import rollout_metrics
 from miles_agent.rollout.episodes import EpisodeRunner, collect
 
@@ -16,9 +17,7 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
     env = build_env(cfg)
     tasks = env.tasks(split)[:limit] if limit else env.tasks(split)
     engine: Any = None
-    from miles_agent.sandboxes import sandbox_factory
-
-    make_sandbox = sandbox_factory(cfg.env.sandbox, cfg.env.sandbox_options) if env.needs_sandbox else None
+    make_sandbox = env_sandboxes(cfg, env)
     if policy == "oracle" and hasattr(env, "oracle_solve"):
         runner = EpisodeRunner(env, harness=None, make_sandbox=make_sandbox)  # type: ignore[arg-type]
         return await _solve_with_oracle(runner, tasks, cfg.rollout.concurrency)
@@ -31,21 +30,25 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
         pol = env.oracle_policy(tokenizer)
     elif policy == "model":
         from miles_agent.models.loading import load_policy
-        from miles_agent.rollout.local import LocalEngine
 
         check_device(cfg.model.device)
         model, tokenizer = load_policy(cfg, env)
-        engine = pol = LocalEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
-                                   device=cfg.model.device)
+        engine = pol = registry.load("engines", EMBEDDED_ENGINE)(cfg, model, tokenizer)[0]
     else:
         raise UserError(f"unknown --policy {policy!r}; use 'model' or 'oracle'")
-    runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
     try:
-        trajs = await collect(runner, tasks, 1, pol, cfg.rollout.concurrency)
+        return await score_policy(cfg, env, tokenizer, pol, tasks, make_sandbox)
     finally:
         if engine is not None:
             await engine.shutdown()
-    return rollout_metrics(trajs)
+
+
+async def score_policy(cfg: Config, env: Any, tokenizer: Any, policy: Any, tasks: list[Any],
+                       make_sandbox: Any = None) -> dict[str, float]:
+    """Each task played once by ``policy`` through the configured harness: the rollout metrics
+    (``reward_mean``, ``episodes``, ``failed`` ...). The CLI's eval and ``run.eval_every`` both use it."""
+    runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
+    return rollout_metrics(await collect(runner, tasks, 1, policy, cfg.rollout.concurrency))
 
 
 async def _solve_with_oracle(runner: EpisodeRunner, tasks: list[Any], concurrency: int) -> dict[str, float]:

@@ -27,11 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from miles_agent import registry
+from miles_agent.build import build_env, build_harness, check_choices, env_sandboxes
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
-from miles_agent.engine import SamplingParams
-from miles_agent.environment import Environment, HarnessLimits
 from miles_agent.errors import UserError
 from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
@@ -39,51 +37,10 @@ from miles_agent.rollout.episodes import EpisodeRunner
 from miles_agent.rollout.routing_capture import RoutingCapture
 from miles_agent.run_state import capture_rng, latest_checkpoint, restore_rng, write_checkpoint
 from miles_agent.scheduling import RolloutScheduler, TaskSampler
-from miles_agent.scheduling import check_config as check_scheduling
 from miles_agent.sinks import build_sinks
 from miles_agent.types import Status
 
 ROUTING_FILE = "routing.npz"  # R3 routing of the episodes a checkpoint buffers (miles_agent.scheduling)
-
-
-def build_env(cfg: Config) -> Environment:
-    cls = registry.load("envs", cfg.env.name)
-    import inspect
-
-    kwargs: dict[str, Any] = {}
-    if "sandbox" in inspect.signature(cls).parameters:  # environments that route tasks by sandbox backend
-        kwargs["sandbox"] = cfg.env.sandbox
-    if cfg.env.tasks:
-        if not Path(cfg.env.tasks).is_dir():
-            raise UserError(f"--tasks {cfg.env.tasks} is not a folder; point it at a folder of task directories")
-        kwargs["tasks_dir"] = cfg.env.tasks
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise UserError(f"environment {cfg.env.name!r} cannot be built with {kwargs or 'no arguments'} ({e})") from None
-
-
-def build_harness(cfg: Config, env: Environment, tokenizer: Any):  # noqa: ANN201
-    name = cfg.env.harness or getattr(env, "default_harness", "chat-tools")
-    limits = HarnessLimits(max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
-                           max_new_tokens_per_turn=cfg.env.max_new_tokens_per_turn,
-                           max_observation_tokens=cfg.env.max_observation_tokens)
-    sampling = SamplingParams(max_new_tokens=cfg.env.max_new_tokens_per_turn, temperature=cfg.rollout.temperature,
-                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-    cls = registry.load("harnesses", name)
-    import inspect
-
-    params = inspect.signature(cls).parameters
-    agent = {k: getattr(cfg.env, k) for k in ("agent", "agent_timeout_s") if k in params}  # the black-box harness
-    return cls(tokenizer, limits, sampling, **agent)
-
-
-def check_device(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"the recipe asks for device {device!r} but no CUDA GPU is visible; "
-                        "use a GPU machine or set model.device=cpu (e.g. --recipe tiny-cpu)")
 
 
 class Run:
@@ -93,29 +50,28 @@ class Run:
         import torch
 
         from miles_agent.algorithms.batch_builder import BatchBuilder
-        from miles_agent.algorithms.estimators import check_estimator
-        from miles_agent.components import build_critic, build_engines, build_trainer, build_transport
-        from miles_agent.distill import build_distiller
+        from miles_agent.components import build_critic, cluster_for
         from miles_agent.models.loading import load_policy
+        from miles_agent.teacher import build_distiller
 
-        check_device(cfg.model.device)
-        check_scheduling(cfg.rollout)
+        check_choices(cfg)  # a bad name fails before any work
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
-        check_estimator(cfg.algo, cfg.rollout.samples_per_prompt)  # a bad name fails before any work
         self.env = build_env(cfg)
+        make_sandbox = env_sandboxes(cfg, self.env)  # sandbox options checked before the model loads
+        self.eval_tasks = eval_tasks(cfg, self.env)  # run.eval_every: the env's eval split, checked now
         model, self.tokenizer = load_policy(cfg, self.env)
         engine_model = copy.deepcopy(model)  # before the trainer shards its own copy
         critic = build_critic(cfg, model, self.tokenizer)  # copies the policy before the trainer shards it
-        self.trainer = build_trainer(cfg, model, self.tokenizer)
+        self.cluster = cluster_for(cfg)  # cluster.mode: where the trainer, engines and transport live
+        self.trainer = self.cluster.trainer(model, self.tokenizer)
         self.batches = BatchBuilder(cfg.algo, self.trainer, critic)  # advantages (and the critic's step)
-        self.engines = build_engines(cfg, engine_model, self.tokenizer)
+        self.engines = self.cluster.engines(engine_model, self.tokenizer)
         self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
-        self.transport = build_transport(cfg, self.trainer, self.engines)
-        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer),
-                                    make_sandbox=self._sandbox_factory())
+        self.transport = self.cluster.transport(self.trainer, self.engines)
+        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox)
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
         # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
@@ -140,13 +96,6 @@ class Run:
             self.metrics.path.unlink(missing_ok=True)
         self.observer = StepObserver(self.runner, self.engines)  # after resume: counters' deltas start here
         self.recorder = RolloutRecorder(self.run_dir, cfg.run.dump_rollouts, cfg.run.log_samples, self.step)
-
-    def _sandbox_factory(self):  # noqa: ANN202
-        if not self.env.needs_sandbox:
-            return None
-        from miles_agent.sandboxes import sandbox_factory
-
-        return sandbox_factory(self.cfg.env.sandbox, self.cfg.env.sandbox_options)
 
     async def train(self, progress: Any = None) -> list[dict[str, Any]]:
         """rollout (scheduler) -> advantages -> train step -> weight push; in one_step_off / async mode the
@@ -180,7 +129,7 @@ class Run:
                     record.update(self.group_filter.step_metrics())
                 batch, algo_metrics = self.batches.build(trainable)  # advantages; a critic steps here
                 record.update(algo_metrics)
-                if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/distill.py)
+                if self.distiller is not None:  # teacher logprobs on the sampled tokens (miles_agent/teacher.py)
                     batch, distill_metrics = await self.distiller.apply(batch)
                     record.update(distill_metrics)
                 self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
@@ -198,6 +147,8 @@ class Run:
                                "time/step": t3 - t0,
                                "rollout_tokens_per_s": record["sampled_tokens"] / max(t1 - t0, 1e-9)})
                 self.step += 1
+                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
+                    record.update(await self._evaluate(progress))
                 self.metrics.write(record)
                 records.append(record)
                 if progress:
@@ -209,6 +160,17 @@ class Run:
             await self.scheduler.close()
         self.trainer.save_hf(self.run_dir / "final")
         return records
+
+    async def _evaluate(self, progress: Any) -> dict[str, float]:
+        """The current policy (the weights just pushed) on the eval split, as ``eval/*`` metrics."""
+        from miles_agent.evaluate import score_policy
+
+        if progress:
+            progress.phase("eval")
+        t0 = time.perf_counter()
+        metrics = await score_policy(self.cfg, self.env, self.tokenizer, self.engine, self.eval_tasks,
+                                     env_sandboxes(self.cfg, self.env))
+        return {**{f"eval/{k}": v for k, v in metrics.items()}, "time/eval": time.perf_counter() - t0}
 
     async def _train_step(self, batch: Any) -> dict[str, float]:
         """In sync mode inline; otherwise in a worker thread, so episodes keep running on the event loop."""
@@ -260,11 +222,24 @@ class Run:
         tmp.replace(self.metrics.path)
 
 
+def eval_tasks(cfg: Config, env: Any) -> list[Any]:
+    """The tasks ``run.eval_every`` plays (none when it is 0); an env without an eval split fails here."""
+    if cfg.run.eval_every < 0:
+        raise UserError(f"run.eval_every must be >= 0 (0 = never), got {cfg.run.eval_every}")
+    if not cfg.run.eval_every:
+        return []
+    try:
+        return env.tasks("eval")
+    except ValueError as e:
+        raise UserError(f"run.eval_every={cfg.run.eval_every} plays the environment's eval split, which "
+                        f"{env.name!r} does not have ({e}); set run.eval_every=0") from None
+
+
 def train(cfg: Config, resume: bool = False, progress: Callable[[Run], Any] | None = None) -> list[dict[str, Any]]:
     """Build a run and train it; returns the per-step metric records. ``progress(run)`` makes the live
     view once the run is built (so bad input fails before any bar is drawn)."""
     if cfg.algo.loss == "sft":  # supervised: a dataset of trajectories instead of rollouts
-        from miles_agent.sft import train_sft
+        from miles_agent.sft_run import train_sft
 
         return train_sft(cfg, resume=resume, progress=progress)
     run = Run(cfg, resume=resume)

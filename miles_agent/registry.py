@@ -1,8 +1,9 @@
-"""Plug-ins: environments, harnesses, sandboxes and trainers, found by entry point or ``module:attr``.
+"""Plug-ins of every kind, found by entry point or ``module:attr`` -- the only way the core reaches them.
 
 Each kind is an entry-point group (``miles_agent.envs`` ...). A third-party package registers one in
 its own pyproject and ``miles-agent envs list`` shows it. A plug-in that fails to import is reported by
-name with its cause; it never hides the others.
+name with its cause; it never hides the others. What each kind's entry point must be is in
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 from miles_agent.errors import UserError
 
-KINDS = {"envs": "environment", "harnesses": "harness", "sandboxes": "sandbox", "trainers": "trainer"}
+KINDS = {"envs": "environment", "harnesses": "harness", "sandboxes": "sandbox", "trainers": "trainer",
+         "engines": "rollout engine", "transports": "weight transport", "clusters": "cluster mode",
+         "critics": "critic", "sections": "config section"}
 
 
 @dataclass
@@ -54,8 +57,14 @@ def list_plugins(kind: str) -> list[PluginInfo]:
     return out
 
 
-def load(kind: str, name: str) -> Any:
-    """The plug-in object named ``name`` (an entry-point name or ``module:attr``)."""
+def names(kind: str) -> list[str]:
+    """The installed entry-point names of a kind, without loading them."""
+    return sorted(_entry_points(kind))
+
+
+def load(kind: str, name: str, key: str = "") -> Any:
+    """The plug-in object named ``name`` (an entry-point name or ``module:attr``); ``key`` is the config
+    key that chose it, named in the error when there is no such plug-in."""
     if ":" in name:
         module, _, attr = name.partition(":")
         try:
@@ -69,7 +78,8 @@ def load(kind: str, name: str) -> Any:
     eps = _entry_points(kind)
     if name not in eps:
         known = ", ".join(sorted(eps)) or "none installed"
-        raise UserError(f"unknown {KINDS[kind]} {name!r}; installed: {known} "
+        where = f" ({key}={name})" if key else ""
+        raise UserError(f"unknown {KINDS[kind]} {name!r}{where}; installed: {known} "
                         f"(see `miles-agent {kind} list`, or pass module:attr)")
     try:
         return eps[name].load()

@@ -51,8 +51,8 @@ def replay(run_dir: Path, rollouts: Path | None = None, first: int | None = None
     returns one record per step: ``{"step", "train/...": replayed, "original/train/...": logged}``."""
     import torch
 
+    from miles_agent.build import build_env
     from miles_agent.components import build_trainer
-    from miles_agent.loop import build_env
     from miles_agent.models.loading import load_policy
     from miles_agent.trainer import TrainBatch
 

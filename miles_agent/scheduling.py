@@ -349,7 +349,7 @@ class RolloutScheduler:
                 raise UserError(f"--resume: task {g['position']} of the stream is {task.id!r} now but was "
                                 f"{g['task_id']!r}; the task set changed since the checkpoint -- resume with "
                                 "the same environment and tasks, or start a new run")
-            slots = [Slot(runs=s["runs"], recycles=s.get("recycles", 0), dropped=s["dropped"],
+            slots = [Slot(runs=s["runs"], recycles=s["recycles"], dropped=s["dropped"],
                           result=None if s["result"] is None else [Trajectory.from_dict(t, arrays) for t in s["result"]])
                      for s in g["slots"]]
             self.groups[g["position"]] = Group(g["position"], task, slots)

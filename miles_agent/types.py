@@ -135,9 +135,6 @@ class Trajectory:
     def response_ids(self) -> list[int]:
         return self.tokens[len(self.prompt_ids):]
 
-    def sampled_ids(self) -> list[int]:
-        return [t for t, m in zip(self.response_ids, self._sampled_positions()) if m]
-
     def _sampled_positions(self) -> list[bool]:
         pos = [False] * self.response_length
         for s in self.spans:
@@ -218,6 +215,6 @@ class Trajectory:
             routed_experts=None if re is None else np.asarray(re, dtype=np.int32),
             reward=d.get("reward"), reward_parts=dict(d.get("reward_parts", {})), status=Status(d["status"]),
             task_id=d.get("task_id", ""), group_id=d.get("group_id", ""), uid=d["uid"],
-            episode_id=d.get("episode_id", ""),  # older dumps: each trajectory its own episode
+            episode_id=d["episode_id"],
             metadata=dict(d.get("metadata", {})),
         )

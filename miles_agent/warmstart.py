@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles_agent import registry
+from miles_agent.build import DEFAULT_HARNESS
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import Environment, HarnessLimits
@@ -26,6 +28,7 @@ from miles_agent.sft import demonstrations, sft_steps
 log = logging.getLogger(__name__)
 
 WARM_START_VERSION = 3
+WARM_START_TRAINER = "fsdp2"  # runs on CPU, so the shipped warm start rebuilds anywhere
 
 
 def shipped_path(env: Environment, arch: str) -> Path:
@@ -70,7 +73,6 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SF
     import torch
 
     from miles_agent.models.builder import build_tiny
-    from miles_agent.trainers.fsdp2 import FSDP2Trainer
 
     if not hasattr(env, "demonstrator"):
         raise UserError(f"environment {env.name!r} ships no warm start (no demonstrator); "
@@ -79,7 +81,7 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SF
     total = sum(stage.steps for stage in stages)
     schedule = TrainConfig(lr=lr, lr_schedule="cosine", lr_warmup_steps=20, lr_decay_steps=total,
                            min_lr_ratio=0.05, grad_clip=1.0, micro_batch_tokens=16384)
-    trainer = FSDP2Trainer(model, tokenizer, schedule, AlgoConfig(loss="sft"))
+    trainer = registry.load("trainers", WARM_START_TRAINER)(model, tokenizer, schedule, AlgoConfig(loss="sft"))
     rng = random.Random(seed)
     metrics: dict[str, float] = {}
     bar = _bar(total, progress)
@@ -99,9 +101,7 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SF
 
 def _demonstrations(env: Environment, tokenizer: Any, stage: SFTStage, seed: int) -> list[Any]:
     """The demonstrator's episodes on the env's "sft" split, played through the real harness (TITO data)."""
-    from miles_agent.harnesses.chat_tools import ChatToolsHarness
-
-    harness = ChatToolsHarness(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
+    harness = registry.load("harnesses", DEFAULT_HARNESS)(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
     return demonstrations(env, harness, tokenizer, split="sft", tool_rate=stage.tool_rate, seed=seed)
 
 

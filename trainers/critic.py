@@ -146,3 +146,11 @@ class CriticTrainer:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+
+def build_critic(model: nn.Module, tokenizer: Any, train: TrainConfig, algo: AlgoConfig, *,
+                 device: str = "cpu") -> CriticTrainer:
+    """The ``value-head`` critic (entry point of ``miles_agent.critics``): the policy's backbone with a
+    scalar head, sharded like the policy."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return CriticTrainer(ValueModel(model), train, algo, pad_id=pad, device=device)

@@ -25,23 +25,6 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-from miles_agent.errors import UserError
-
-OFFLOAD_CHOICES = ("auto", True, False)
-
-
-def offload_enabled(offload: bool | str, *, colocate: bool, mode: str) -> bool:
-    """``train.offload``: ``auto`` = on exactly when trainer ranks share devices with engines
-    (``cluster.mode=ray`` and ``cluster.colocate=true``)."""
-    if offload not in OFFLOAD_CHOICES:
-        raise UserError(f"train.offload must be auto, true or false, got {offload!r}")
-    if offload == "auto":
-        return mode == "ray" and colocate
-    if offload and mode != "ray":
-        raise UserError("train.offload=true frees the trainer ranks' devices between steps, which only Ray trainer "
-                        "ranks do (cluster.mode=ray, usually with cluster.colocate=true); set train.offload=auto")
-    return bool(offload)
-
 
 class DeviceOffload:
     """The offload / reload pair for one trainer: ``modules()`` and ``optimizer`` name what it holds."""

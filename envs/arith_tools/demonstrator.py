@@ -16,7 +16,7 @@ import zlib
 from typing import Any
 
 from miles_agent.engine import Completion, FinishReason, SamplingParams
-from miles_agent.envs.arith_tools.env import evaluate, format_result
+from miles_agent.envs.arith_tools.calc import evaluate, format_result
 
 _QUESTION = re.compile(r"What is ([0-9+\-*()]+)\?")
 _RESULT = re.compile(r"<tool_response>([+-]?\d+)</tool_response>")

@@ -132,27 +132,12 @@ def get_advantage_fn(name: str) -> AdvantageFn:
                         "(config key algo.advantage)") from None
 
 
-def sample_advantages(trajectories: Sequence[Trajectory], name: str = "grpo", normalize_std: bool = True,
-                      eps: float = 1e-6) -> list[float]:
-    """One advantage per trajectory, grouped by ``Trajectory.group_id`` (taken literally: ``""`` is a
-    group); trajectories sharing an ``episode_id`` count once and share the episode's advantage."""
-    rewards = [t.reward for t in trajectories]
-    return get_advantage_fn(name)(rewards, [t.group_id for t in trajectories], normalize_std=normalize_std,
-                                  eps=eps, episode_ids=[t.episode_id for t in trajectories])
-
-
-def per_token(trajectories: Sequence[Trajectory], sample_advantages: Sequence[float]) -> list[list[float]]:
+def per_token(trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> list[list[float]]:
     """Broadcast each sample's advantage over every response position.
 
     Every position gets the value, observation tokens included: the loss mask, not the advantage,
     decides what trains, so the two never have to agree.
     """
-    if len(trajectories) != len(sample_advantages):
-        raise ValueError(f"{len(trajectories)} trajectories but {len(sample_advantages)} advantages")
-    return [[float(a)] * t.response_length for t, a in zip(trajectories, sample_advantages)]
-
-
-def token_advantages(trajectories: Sequence[Trajectory], name: str = "grpo",
-                     normalize_std: bool = True) -> list[list[float]]:
-    """``per_token(sample_advantages(...))``: what ``TrainBatch.advantages`` wants."""
-    return per_token(trajectories, sample_advantages(trajectories, name, normalize_std))
+    if len(trajectories) != len(advantages):
+        raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages")
+    return [[float(a)] * t.response_length for t, a in zip(trajectories, advantages)]

@@ -12,9 +12,9 @@ from miles_agent.algorithms.advantages import (
     grpo,
     per_token,
     rloo,
-    sample_advantages,
-    token_advantages,
 )
+from miles_agent.algorithms.estimators import estimate
+from miles_agent.config import AlgoConfig
 from miles_agent.errors import UserError
 from miles_agent.types import Trajectory
 
@@ -64,13 +64,18 @@ def _traj(reward: float, group: str) -> Trajectory:
     return t
 
 
+def _grpo_rows(trajs: list[Trajectory]) -> list[list[float]]:
+    """Per-token GRPO advantages as the loop computes them (algorithms/estimators.estimate)."""
+    return estimate(AlgoConfig(advantage="grpo", normalize_std=False), trajs)[0]
+
+
 def test_per_token_broadcasts_over_every_response_position() -> None:
     trajs = [_traj(1.0, "g"), _traj(0.0, "g"), _traj(7.0, "h")]
-    adv = sample_advantages(trajs, "grpo", normalize_std=False)
+    adv = [row[0] for row in _grpo_rows(trajs)]
     assert adv == pytest.approx([0.5, -0.5, 0.0])
     rows = per_token(trajs, adv)
     assert rows == [[0.5] * 4, [-0.5] * 4, [0.0] * 4]
-    assert token_advantages(trajs, "grpo", normalize_std=False) == rows
+    assert _grpo_rows(trajs) == rows
     with pytest.raises(ValueError):
         per_token(trajs, adv[:2])
 
@@ -103,10 +108,10 @@ def test_branch_rewards_are_averaged_per_episode() -> None:
     assert rloo(rewards, groups, episode_ids=episodes) == pytest.approx([0.0, 0.0, -0.75, 0.75])
 
 
-def test_sample_advantages_use_the_trajectory_episode_id() -> None:
+def test_the_estimator_uses_the_trajectory_episode_id() -> None:
     a, b, c = _traj(1.0, "g"), _traj(1.0, "g"), _traj(0.0, "g")
     b.episode_id = a.episode_id  # b is a branch of a's episode
     assert c.episode_id == c.uid  # the default: its own episode
-    assert sample_advantages([a, b, c], "grpo", normalize_std=False) == pytest.approx([0.5, 0.5, -0.5])
+    assert [row[0] for row in _grpo_rows([a, b, c])] == pytest.approx([0.5, 0.5, -0.5])
     with pytest.raises(ValueError, match="episode ids"):
         grpo([1.0, 0.0], ["g", "g"], episode_ids=["x"])

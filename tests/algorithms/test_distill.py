@@ -10,11 +10,11 @@ import torch
 
 from miles_agent.algorithms.distill import distill_loss, fold_into_advantages, reverse_kl_tokens
 from miles_agent.config import AlgoConfig, TrainConfig
-from miles_agent.distill import Distiller
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.errors import UserError
 from miles_agent.models.builder import build_tiny, load_hf
-from miles_agent.rollout.local import LocalEngine
+from miles_agent.teacher import Distiller
 from miles_agent.trainer import TrainBatch
 from miles_agent.types import Trajectory
 from miles_agent.warmstart import shipped_path
@@ -73,7 +73,7 @@ def test_bad_mode_and_negative_coefficients_are_user_errors():
 PROMPT = "<|im_start|>user\nWhat is {}?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def sample(engine: LocalEngine, tokenizer, n: int, seed: int, max_new_tokens: int = 12) -> list[Trajectory]:
+def sample(engine: EmbeddedEngine, tokenizer, n: int, seed: int, max_new_tokens: int = 12) -> list[Trajectory]:
     """One-turn trajectories the engine samples for arithmetic prompts."""
     prompts = [tokenizer.encode(PROMPT.format(f"{i}+{2 * i + 1}"), add_special_tokens=False) for i in range(n)]
 
@@ -92,7 +92,7 @@ def sample(engine: LocalEngine, tokenizer, n: int, seed: int, max_new_tokens: in
 
 def test_teacher_equal_to_student_gives_exactly_zero():
     model, tok = build_tiny("tiny-qwen3", seed=3)
-    student, teacher = LocalEngine(copy.deepcopy(model), tok), LocalEngine(copy.deepcopy(model), tok)
+    student, teacher = EmbeddedEngine(copy.deepcopy(model), tok), EmbeddedEngine(copy.deepcopy(model), tok)
     trajs = sample(student, tok, 6, seed=0)
     task = [[0.75] * t.response_length for t in trajs]
     batch, metrics = asyncio.run(Distiller(teacher, student, task_coef=1.0).apply(TrainBatch(trajs, task)))
@@ -140,8 +140,8 @@ def test_distillation_steps_reduce_the_reverse_kl_on_a_fixed_batch():
     from miles_agent.trainers.fsdp2 import FSDP2Trainer
 
     teacher_model, model, tok = perturbed_warm_start()
-    student = LocalEngine(copy.deepcopy(model), tok)
-    distiller = Distiller(LocalEngine(copy.deepcopy(teacher_model), tok), student, mode="reward", task_coef=0.0)
+    student = EmbeddedEngine(copy.deepcopy(model), tok)
+    distiller = Distiller(EmbeddedEngine(copy.deepcopy(teacher_model), tok), student, mode="reward", task_coef=0.0)
     trainer = FSDP2Trainer(model, tok, TrainConfig(lr=1e-4), AlgoConfig(distill_teacher="x"))
     fixed = sample(student, tok, 8, seed=100)
     before = exact_reverse_kl(student.model, teacher_model, fixed)
@@ -162,8 +162,8 @@ def test_reward_and_loss_modes_take_the_same_first_step():
     from miles_agent.trainers.fsdp2 import FSDP2Trainer
 
     teacher_model, model, tok = perturbed_warm_start()
-    student = LocalEngine(copy.deepcopy(model), tok)
-    teacher = LocalEngine(teacher_model, tok)
+    student = EmbeddedEngine(copy.deepcopy(model), tok)
+    teacher = EmbeddedEngine(teacher_model, tok)
     trajs = sample(student, tok, 6, seed=7)
     norms = {}
     for mode in ("reward", "loss"):
@@ -182,7 +182,7 @@ def test_reward_and_loss_modes_take_the_same_first_step():
 
 def test_loss_mode_needs_a_trainer_that_applies_it():
     from miles_agent.config import load_config
-    from miles_agent.distill import build_distiller
+    from miles_agent.teacher import build_distiller
 
     cfg = load_config("tiny-distill", {"train.backend": "my-plugin-trainer", "algo.distill_mode": "loss"})
     with pytest.raises(UserError, match="distill_mode=loss is applied by the fsdp2 and megatron.*distill_mode=reward"):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from miles_agent.algorithms.advantages import sample_advantages
+from miles_agent.algorithms.estimators import estimate
+from miles_agent.config import AlgoConfig
 from miles_agent.environment import Environment, EnvSession, Harness, Reward, Task
 from miles_agent.rollout.episodes import EpisodeRunner, collect
 from miles_agent.types import Trajectory
@@ -54,5 +55,5 @@ def test_branches_share_an_episode_id_and_its_advantage() -> None:
     assert sorted(len(v) for v in episodes.values()) == [1, 1, 2, 2]
     assert all(len({t.group_id for t in v}) == 1 for v in episodes.values())
     # four episodes, rewards (1, 0, 0, 1): mean 0.5, every branch gets its episode's +-0.5
-    adv = sample_advantages(trajs, "grpo", normalize_std=False)
+    adv = [row[0] for row in estimate(AlgoConfig(advantage="grpo", normalize_std=False), trajs)[0]]
     assert adv == [0.5 if t.reward == 1.0 else -0.5 for t in trajs]

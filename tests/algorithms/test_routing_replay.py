@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.errors import UserError
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers import routing_replay
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
@@ -104,7 +104,7 @@ def mismatch_experiment(seed: int = 0, n: int = 32, new_tokens: int = 40) -> dic
     engine_model = copy.deepcopy(model)
     for router in routing_replay.moe_routers(engine_model):
         _bf16_router(router)
-    engine = LocalEngine(engine_model, tok, max_batch_size=8)
+    engine = EmbeddedEngine(engine_model, tok, max_batch_size=8)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (int(torch.randint(4, 20, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n)]

@@ -9,20 +9,20 @@ import dataclasses
 import pytest
 
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.testing.contracts import EngineContract
 
 
 @pytest.fixture
 def local_engine():
     model, tok = build_tiny("tiny-qwen3", seed=0)
-    engine = LocalEngine(model, tok)
+    engine = EmbeddedEngine(model, tok)
     yield engine
     asyncio.run(engine.shutdown())
 
 
-class TestLocalEngine(EngineContract):
+class TestEmbeddedEngine(EngineContract):
     @pytest.fixture
     def engine(self, local_engine):
         return local_engine

@@ -8,18 +8,18 @@ import asyncio
 
 import pytest
 
+from miles_agent.engines.embedded.engine import EmbeddedEngine
+from miles_agent.engines.embedded.process import EngineProcess, tiny_model_fn
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.testing.contracts import WeightTransportContract
 from miles_agent.testing.contracts.transport import ReceiverProbe
-from miles_agent.weight_sync import (
+from miles_agent.transports import (
     DiskTransport,
     DistributedTransport,
+    InProcessReceiver,
     InProcessTransport,
-    LocalReceiver,
     SharedMemoryTransport,
 )
-from miles_agent.weight_sync.process import EngineProcess, tiny_model_fn
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def engine_process():
 class TestInProcessTransport(WeightTransportContract):
     @pytest.fixture
     def make_transport(self):
-        engine = LocalEngine(*build_tiny("tiny-qwen3", seed=0))
-        return lambda: (InProcessTransport([engine]), ReceiverProbe(LocalReceiver(engine)))
+        engine = EmbeddedEngine(*build_tiny("tiny-qwen3", seed=0))
+        return lambda: (InProcessTransport([engine]), ReceiverProbe(InProcessReceiver(engine)))
 
 
 class TestSharedMemoryTransport(WeightTransportContract):
@@ -71,8 +71,8 @@ class WrongVersion(DropsATensor):
 
 
 def test_broken_transports_fail_the_contract():
-    engine = LocalEngine(*build_tiny("tiny-qwen3", seed=0))
-    probe = ReceiverProbe(LocalReceiver(engine))
+    engine = EmbeddedEngine(*build_tiny("tiny-qwen3", seed=0))
+    probe = ReceiverProbe(InProcessReceiver(engine))
     contract = WeightTransportContract()
     with pytest.raises(AssertionError, match="bit-exact"):
         contract.test_pushed_weights_arrive_bit_exact_with_the_version(

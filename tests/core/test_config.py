@@ -48,3 +48,27 @@ def test_config_is_frozen():
     cfg = load_config()
     with pytest.raises(AttributeError):
         cfg.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_renamed_values_are_still_read_with_a_warning(caplog):
+    """"local" named the engine, the sandbox and the cluster mode; the engine and mode were renamed."""
+    with caplog.at_level("WARNING", logger="miles_agent.config"):
+        cfg = load_config(None, ["rollout.engine=local", "cluster.mode=local"])
+    assert cfg.rollout.engine == "embedded" and cfg.cluster.mode == "inprocess" and cfg.env.sandbox == "local"
+    assert "rollout.engine=local is now called rollout.engine=embedded" in caplog.text
+    assert "cluster.mode=local is now called cluster.mode=inprocess" in caplog.text
+
+
+def test_plugins_own_their_sections():
+    """sglang and megatron are declared by their plug-ins (miles_agent.sections), read like the core's."""
+    from miles_agent import registry
+
+    owners = {p.name: p.target for p in registry.list_plugins("sections")}
+    assert owners["sglang"].startswith("miles_agent.engines.sglang.") and \
+        owners["megatron"].startswith("miles_agent.trainers.megatron.")
+    cfg = load_config(None, ["megatron.tensor_parallel=2", "sglang.tp_size=4"])
+    assert cfg.megatron.tensor_parallel == 2 and cfg.sglang.tp_size == 4 and Config().sglang.tp_size == 1
+    again = load_config(None, {f"{s}.{k}": v for s, sec in cfg.to_dict().items() for k, v in sec.items()})
+    assert again == cfg  # config.json (to_dict) reads back to the same config
+    with pytest.raises(UserError, match="unknown config key 'megatron.tensor_paralel'"):
+        load_config(None, ["megatron.tensor_paralel=2"])

@@ -42,6 +42,18 @@ def test_builtin_plugins_are_listed():
     assert registry.load("envs", "miles_agent.envs.arith_tools:ArithToolsEnv").name == "arith-tools"
 
 
+def test_backends_are_plugins_listed_by_the_cli():
+    for kind, expected in (("engines", {"embedded", "sglang"}), ("transports", {"inprocess", "shm", "distributed", "disk"}),
+                           ("clusters", {"inprocess", "ray"})):
+        plugins = registry.list_plugins(kind)
+        assert {p.name for p in plugins} >= expected and all(p.error is None for p in plugins), plugins
+    out = cli("engines", "list")
+    assert out.returncode == 0 and "embedded" in out.stdout and "in-process engine" in out.stdout, out
+    assert "object-store" not in cli("transports", "list").stdout  # Ray's own, chosen by the runtime
+    with pytest.raises(UserError, match=r"unknown rollout engine 'vllm' \(rollout.engine=vllm\); installed: embedded"):
+        registry.load("engines", "vllm", key="rollout.engine")
+
+
 def test_thirdparty_env_is_listed_and_a_broken_one_does_not_hide_it(thirdparty):
     out = cli("envs", "list", env=thirdparty)
     assert out.returncode == 0, out.stderr

@@ -1,7 +1,7 @@
 """The shared tool-call parser: the harness and the proxy agree block by block on what is a call."""
 
 from miles_agent.harnesses.chat_tools import parse_tool_calls
-from miles_agent.proxy.tool_calls import split_tool_calls
+from miles_agent.harnesses.proxy.openai_tool_calls import split_tool_calls
 from miles_agent.tool_calls import scan_tool_calls, unterminated
 
 TEXT = ('think <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> mid '

@@ -34,12 +34,12 @@ def test_hud_scripted_episode_gets_the_template_reward(tokenizer, scripted):
 
 
 def test_hud_tiny_model_episode_is_tito_and_graded_by_hud(tokenizer):
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
     from miles_agent.models.builder import build_tiny
-    from miles_agent.rollout.local import LocalEngine
 
     model, tok = build_tiny("tiny-qwen3")
     env = HudEnv()
-    (traj,) = play(env, tok, LocalEngine(model, tok), task_index=0, max_new_tokens=8)  # "apple"
+    (traj,) = play(env, tok, EmbeddedEngine(model, tok), task_index=0, max_new_tokens=8)  # "apple"
     traj.validate()
     assert traj.status in (Status.COMPLETED, Status.TRUNCATED), traj.metadata
     (text,) = model_texts(traj, tok)

@@ -124,13 +124,13 @@ def test_nemo_gym_unknown_tool_is_an_error_the_model_sees(server, tasks_file, to
 
 
 def test_nemo_gym_tiny_model_episode_is_tito_and_verified(server, tasks_file):
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
     from miles_agent.models.builder import build_tiny
-    from miles_agent.rollout.local import LocalEngine
 
     gym, url = server
     model, tok = build_tiny("tiny-qwen3")
     env = NemoGymEnv(url=url, tasks=str(tasks_file))
-    (traj,) = play_chat_tools(env, tok, LocalEngine(model, tok), task_index=1, max_new_tokens=8)
+    (traj,) = play_chat_tools(env, tok, EmbeddedEngine(model, tok), task_index=1, max_new_tokens=8)
     traj.validate()
     assert traj.status in (Status.COMPLETED, Status.TRUNCATED), traj.metadata
     (verified,) = gym.verified

@@ -33,12 +33,12 @@ def test_openenv_scripted_episode_gets_openenv_step_rewards(tokenizer, scripted,
 
 
 def test_openenv_tiny_model_episode_is_tito_and_scored_by_openenv(tokenizer):
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
     from miles_agent.models.builder import build_tiny
-    from miles_agent.rollout.local import LocalEngine
 
     model, tok = build_tiny("tiny-qwen3")
     env = OpenEnvEnv()
-    (traj,) = play(env, tok, LocalEngine(model, tok), task_index=1, max_new_tokens=8)  # "river"
+    (traj,) = play(env, tok, EmbeddedEngine(model, tok), task_index=1, max_new_tokens=8)  # "river"
     traj.validate()
     assert traj.status in (Status.COMPLETED, Status.TRUNCATED), traj.metadata
     texts = model_texts(traj, tok)

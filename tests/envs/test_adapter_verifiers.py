@@ -29,12 +29,12 @@ def test_verifiers_episode_scored_by_the_taskset_reward(tokenizer, scripted):
 
 
 def test_verifiers_tiny_model_episode(tokenizer):
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
     from miles_agent.models.builder import build_tiny
-    from miles_agent.rollout.local import LocalEngine
 
     model, tok = build_tiny("tiny-qwen3")
     env = VerifiersEnv()
-    (traj,) = play(env, tok, LocalEngine(model, tok), task_index=2, max_new_tokens=8)  # "cloud"
+    (traj,) = play(env, tok, EmbeddedEngine(model, tok), task_index=2, max_new_tokens=8)  # "cloud"
     traj.validate()
     assert traj.status in (Status.COMPLETED, Status.TRUNCATED), traj.metadata
     (text,) = model_texts(traj, tok)

@@ -9,7 +9,7 @@ import pytest
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import HarnessLimits, ToolError
 from miles_agent.envs.arith_tools import ArithToolsEnv
-from miles_agent.envs.arith_tools.env import evaluate, format_result
+from miles_agent.envs.arith_tools.calc import evaluate, format_result
 from miles_agent.harnesses.chat_tools import ChatToolsHarness
 
 

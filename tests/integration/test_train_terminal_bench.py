@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+from miles_agent.build import build_env
 from miles_agent.config import load_config
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import HarnessLimits
 from miles_agent.harnesses.terminal import TerminalHarness
-from miles_agent.loop import build_env, train
+from miles_agent.loop import train
 from miles_agent.tito import ChatRenderer
 
 

@@ -9,18 +9,18 @@ import torch
 
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
+from miles_agent.transports import InProcessTransport, buckets
 from miles_agent.types import Trajectory
-from miles_agent.weight_sync import InProcessTransport, buckets
 
 
 def test_engine_follows_trainer_weights_after_sync():
     torch.manual_seed(0)
     model, tok = build_tiny("tiny-qwen3", seed=0)
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=8)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=8)
     trainer = FSDP2Trainer(model, tok, TrainConfig(lr=5e-2), AlgoConfig(loss="sft"))
     prompt = tok.encode("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)

@@ -71,8 +71,8 @@ def trainer_pair(arch: str, train, algo, seed: int = 3):  # noqa: ANN001, ANN201
     """(FSDP2 trainer, Megatron trainer) on the same tiny weights, closed afterwards."""
     import torch.distributed as dist
 
-    from miles_agent.config import MegatronConfig
     from miles_agent.trainers.fsdp2 import FSDP2Trainer
+    from miles_agent.trainers.megatron.options import MegatronConfig
     from miles_agent.trainers.megatron.trainer import MegatronTrainer
 
     trainers = []

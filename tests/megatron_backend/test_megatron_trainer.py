@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 from megatron_helpers import trajectories
 
-from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
+from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
 from miles_agent.models.builder import build_tiny, load_hf
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
+from miles_agent.trainers.megatron.options import MegatronConfig
 from miles_agent.trainers.megatron.trainer import MegatronTrainer
 
 

@@ -10,11 +10,12 @@ import torch.distributed as dist
 from test_megatron_trainer import trajectories
 from tiny_moe_models import deepseek_config, glm_config
 
-from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
+from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.models.builder import load_hf
 from miles_agent.models.tokenizer import build_byte_tokenizer
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
+from miles_agent.trainers.megatron.options import MegatronConfig
 from miles_agent.trainers.megatron.trainer import MegatronTrainer
 
 CONFIGS = {"deepseek-v3": deepseek_config, "glm-4.5": glm_config}

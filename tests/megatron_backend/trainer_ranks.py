@@ -16,9 +16,10 @@ import torch
 def main(rank: int, world: int, port: int, case_dir: str) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
+    from miles_agent.config import AlgoConfig, TrainConfig
     from miles_agent.models.builder import build_tiny
     from miles_agent.trainer import TrainBatch
+    from miles_agent.trainers.megatron.options import MegatronConfig
     from miles_agent.trainers.megatron.trainer import MegatronTrainer
     from miles_agent.types import Trajectory
 

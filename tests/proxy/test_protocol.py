@@ -10,7 +10,7 @@ import pytest
 from proxy_helpers import ScriptEngine
 
 from miles_agent.engine import Completion, FinishReason, SamplingParams
-from miles_agent.proxy import ProxyLimits, ProxyServer
+from miles_agent.harnesses.proxy import ProxyLimits, ProxyServer
 
 pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")

@@ -14,7 +14,7 @@ from fuzz_agent import RawClient, fuzz_session
 from proxy_helpers import FuzzEngine, RecordingPolicy, check_branch
 
 from miles_agent.engine import SamplingParams
-from miles_agent.proxy import ProxyLimits, ProxyServer
+from miles_agent.harnesses.proxy import ProxyLimits, ProxyServer
 
 pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
@@ -69,12 +69,12 @@ def test_real_local_engine_sessions_round_trip(tokenizer, one_torch_thread):
     """20 sessions against the embedded engine with the tiny model: arbitrary sampled bytes, same contract."""
     import torch
 
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
     from miles_agent.models.builder import build_tiny
-    from miles_agent.rollout.local import LocalEngine
 
     torch.manual_seed(0)
     model, tok = build_tiny("tiny-qwen3")
-    engine = LocalEngine(model, tok, max_batch_size=8)
+    engine = EmbeddedEngine(model, tok, max_batch_size=8)
 
     async def main():
         try:
@@ -134,11 +134,11 @@ class _Replies:
 
 def test_moe_routing_is_recorded_for_every_token_of_a_branch(tokenizer, one_torch_thread):
     """R3: with return_routed_experts the trajectory carries the engine's routing, (len(tokens) - 1, L, k)."""
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
     from miles_agent.models.builder import build_tiny
-    from miles_agent.rollout.local import LocalEngine
 
     model, tok = build_tiny("tiny-qwen3-moe")
-    policy = RecordingPolicy(LocalEngine(model, tok, max_batch_size=2))
+    policy = RecordingPolicy(EmbeddedEngine(model, tok, max_batch_size=2))
 
     async def main():
         limits = ProxyLimits(max_new_tokens_per_turn=6)

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 
 
 @pytest.fixture(scope="session")
@@ -18,9 +18,9 @@ def tiny_models():
 
 @pytest.fixture
 def make_engine(tiny_models):
-    def make(arch: str = "tiny-qwen3", **kw) -> LocalEngine:
+    def make(arch: str = "tiny-qwen3", **kw) -> EmbeddedEngine:
         model, tok = tiny_models[arch]
-        return LocalEngine(copy.deepcopy(model), tok, **kw)
+        return EmbeddedEngine(copy.deepcopy(model), tok, **kw)
 
     return make
 

@@ -7,7 +7,7 @@ import asyncio
 import torch
 
 from miles_agent.engine import SamplingParams
-from miles_agent.rollout.local import LocalEngine
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
 
@@ -18,7 +18,7 @@ def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_all(engine: LocalEngine, ps: list[list[int]], sampling: SamplingParams = GREEDY, **kw) -> list:
+def run_all(engine: EmbeddedEngine, ps: list[list[int]], sampling: SamplingParams = GREEDY, **kw) -> list:
     """Serve ``ps`` concurrently in one event loop."""
     async def main():
         return await asyncio.gather(*[engine.generate(p, sampling, **kw) for p in ps])

@@ -111,11 +111,11 @@ def test_routed_experts_absent_unless_asked(make_engine):
 def test_cuda_logprobs_and_routing_match_hf(arch, tiny_models):
     import copy
 
-    from miles_agent.rollout.local import LocalEngine
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
 
     model, tok = tiny_models[arch]
     ref_model = copy.deepcopy(model).cuda()
-    engine = LocalEngine(copy.deepcopy(model), tok, device="cuda")
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, device="cuda")
     ps = prompts(7, 30, 55, seed=6)
     moe = arch.endswith("moe")
     outs = run_all(engine, ps, SamplingParams(max_new_tokens=16, temperature=1.0, seed=1), return_routed_experts=moe)

@@ -9,7 +9,7 @@ import torch
 from engine_helpers import GREEDY, prompts, run_all
 
 from miles_agent.engine import FinishReason, SamplingParams
-from miles_agent.rollout.sampling import sample
+from miles_agent.engines.embedded.sampling import sample
 
 
 def one(engine, prompt, sampling=GREEDY, **kw):
@@ -119,9 +119,9 @@ def test_bad_requests_raise_value_error(make_engine, tiny_models):
         assert await engine.health()
 
     asyncio.run(main())
-    from miles_agent.rollout.local import LocalEngine
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
 
-    no_tok = LocalEngine(tiny_models["tiny-qwen3"][0].__class__(tiny_models["tiny-qwen3"][0].config))
+    no_tok = EmbeddedEngine(tiny_models["tiny-qwen3"][0].__class__(tiny_models["tiny-qwen3"][0].config))
     with pytest.raises(ValueError, match="tokenizer"):
         asyncio.run(no_tok.generate([1, 2], SamplingParams(stop=("x",))))
 
@@ -129,12 +129,12 @@ def test_bad_requests_raise_value_error(make_engine, tiny_models):
 def test_unsupported_model_is_refused():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from miles_agent.rollout.local import LocalEngine
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
 
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=50)
     with pytest.raises(ValueError, match="qwen3"):
-        LocalEngine(LlamaForCausalLM(cfg))
+        EmbeddedEngine(LlamaForCausalLM(cfg))
 
 
 def test_sampler_draws_from_the_distribution():

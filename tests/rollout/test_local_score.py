@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_helpers import GREEDY, prompts, run_all
 
-from miles_agent.engine import Scorer, Scores, score_request
+from miles_agent.engine import Scorer
 
 
 def hf_logprobs(model, ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
@@ -70,13 +70,3 @@ def test_bad_score_requests_name_the_problem(make_engine):
         asyncio.run(engine.score([1, 10**6]))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         asyncio.run(engine.score([1, 2], temperature=0))
-
-
-def test_sglang_wire_shape_round_trip():
-    payload = score_request([5, 6, 7, 8], logprob_start_len=2, temperature=1.0)
-    assert payload == {"input_ids": [5, 6, 7, 8], "return_logprob": True, "logprob_start_len": 1,
-                       "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
-    # SGLang answers one entry per input position from logprob_start_len; the first carries no logprob.
-    reply = {"output_ids": [], "meta_info": {"input_token_logprobs": [[None, 6, None], [-0.5, 7, None],
-                                                                      [-1.25, 8, None]], "weight_version": "4"}}
-    assert Scores.from_sglang(reply, 2) == Scores([-0.5, -1.25], 2, 4)

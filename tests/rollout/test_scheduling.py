@@ -12,17 +12,22 @@ import torch
 
 from miles_agent.config import RolloutConfig
 from miles_agent.engine import FinishReason, SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.environment import Environment, EnvSession, Harness, Reward, Task
 from miles_agent.errors import UserError
 from miles_agent.models.builder import build_tiny
 from miles_agent.rollout.episodes import EpisodeRunner
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.scheduling import RolloutScheduler, TaskSampler, staleness
+from miles_agent.transports import InProcessTransport
 from miles_agent.types import SpanKind, Status, Trajectory
-from miles_agent.weight_sync import InProcessTransport
 
 TOKENS = 24  # per model turn; the engine ignores EOS, so every turn is exactly this long
 OBSERVATION = [5, 6, 7]
+
+
+def sampled(traj: Trajectory) -> list[int]:
+    """The tokens the engine sampled (the model spans, which are what the loss mask keeps)."""
+    return [t for t, m in zip(traj.response_ids, traj.loss_mask) if m]
 
 
 class _Session(EnvSession):
@@ -61,14 +66,14 @@ class TwoTurns(Harness):
                               version_starts=c.meta.get("weight_versions"))
             if turn == 0:
                 traj.append_observation(OBSERVATION, turn)
-        traj.reward = float(sum(traj.sampled_ids()) % 3)
+        traj.reward = float(sum(sampled(traj)) % 3)
         return [traj]
 
 
 @pytest.fixture
 def setup(tiny_models):
     model, tok = tiny_models["tiny-qwen3"]
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=16)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=16)
     engine.eos_ids = frozenset()
     other, _ = build_tiny("tiny-qwen3", seed=1)  # "new weights": a different init, so versions differ in logprobs
 
@@ -122,7 +127,7 @@ def test_sync_batches_are_whole_groups_in_task_order(setup):
     assert all(t.weight_versions == [0, 0] and t.response_length == 2 * TOKENS + 3 for t in first + second)
     assert max(staleness(t, 0) for t in first + second) == 0 and m["stale_recycled"] == 0
     # Two samples of one task are different draws: their seeds differ by sample index.
-    assert first[0].sampled_ids() != first[1].sampled_ids()
+    assert sampled(first[0]) != sampled(first[1])
 
 
 def test_one_step_off_push_waits_for_the_batch_in_flight(setup):

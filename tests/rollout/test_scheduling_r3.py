@@ -12,21 +12,21 @@ import numpy as np
 import pytest
 
 from miles_agent.config import RolloutConfig
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.environment import Environment
 from miles_agent.models.builder import build_tiny
 from miles_agent.rollout.episodes import EpisodeRunner
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.rollout.routing_capture import RoutingCapture
 from miles_agent.scheduling import RolloutScheduler, TaskSampler
+from miles_agent.transports import InProcessTransport
 from miles_agent.types import SpanKind, Status, Trajectory
-from miles_agent.weight_sync import InProcessTransport
 from tests.rollout.test_scheduling import PromptsEnv, TwoTurns
 
 
 class EngineSpy:
     """What the engine returned to each call: full token sequence -> routed experts (copied)."""
 
-    def __init__(self, engine: LocalEngine) -> None:
+    def __init__(self, engine: EmbeddedEngine) -> None:
         self.engine, self.calls = engine, []
 
     @property
@@ -54,7 +54,7 @@ def expected_rows(traj: Trajectory, calls: dict[tuple[int, ...], np.ndarray]) ->
 @pytest.mark.parametrize("partial", ["keep", "retract"])
 def test_episodes_in_flight_across_batches_and_updates_keep_their_routing(tiny_models, partial):
     model, tok = tiny_models["tiny-qwen3-moe"]
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=16)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=16)
     engine.eos_ids = frozenset()
     other, _ = build_tiny("tiny-qwen3-moe", seed=1)  # version 1: other weights, other routing
     spy = EngineSpy(engine)
@@ -104,7 +104,7 @@ def test_routing_of_an_abandoned_attempt_is_freed_when_it_ends(tiny_models):
     """partial_rollout=abort restarts episodes whose second turn an update cut: their first turn's call
     is never attached, and is dropped with the attempt; the restarted episode records its own."""
     model, tok = tiny_models["tiny-qwen3-moe"]
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=16)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=16)
     engine.eos_ids = frozenset()
     other, _ = build_tiny("tiny-qwen3-moe", seed=1)
     capture = RoutingCapture(engine)

@@ -16,9 +16,9 @@ import torch
 from miles_agent import true_on_policy as top
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.errors import UserError
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
 from miles_agent.types import Trajectory
@@ -57,7 +57,7 @@ def test_exact_reductions_do_not_depend_on_the_batch():
         torch.set_num_threads(threads)
 
 
-def _rollout(engine: LocalEngine, n: int, seed: int = 0) -> list[Trajectory]:
+def _rollout(engine: EmbeddedEngine, n: int, seed: int = 0) -> list[Trajectory]:
     """``n`` requests of mixed prompt and output lengths, more than the engine's batch, so requests
     join the running batch as others finish (continuous batching)."""
     g = torch.Generator().manual_seed(seed)
@@ -81,7 +81,7 @@ def _rollout(engine: LocalEngine, n: int, seed: int = 0) -> list[Trajectory]:
 
 def test_engine_and_trainer_logprobs_are_bitwise_equal():
     model, tok = build_tiny("tiny-qwen3-moe", seed=0)
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=8, true_on_policy=True)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=8, true_on_policy=True)
     engine.eos_ids = frozenset()  # fixed lengths: the token count below does not depend on the samples
     trajs = _rollout(engine, n=20)
     sampled = sum(t.response_length for t in trajs)
@@ -106,7 +106,7 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal():
 def test_normal_mode_does_not_match_bitwise():
     """The control: without the mode, the same workload differs in the low bits."""
     model, tok = build_tiny("tiny-qwen3-moe", seed=0)
-    engine = LocalEngine(copy.deepcopy(model), tok, max_batch_size=8)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=8)
     engine.eos_ids = frozenset()
     trajs = _rollout(engine, n=10)
     trainer = FSDP2Trainer(copy.deepcopy(model), tok, TrainConfig(micro_batch_tokens=600), AlgoConfig(),

@@ -47,7 +47,7 @@ def spy(obj, name: str, log: list[tuple[str, float, float]]) -> None:
 def test_colocated_trainer_ranks_offload_while_engines_generate(ray_session, tmp_path):
     cfg = load_config("tiny-cpu", {**TINY, "run.run_dir": str(tmp_path)})
     run = Run(cfg)
-    sess = launch.session(cfg)
+    sess = run.cluster.session
     engines: list[tuple[str, float, float]] = []
     spy(sess.engines, "release_memory", engines)
     spy(sess.engines, "_sync_one", engines)  # per engine: resume its memory, then load the weights
@@ -91,9 +91,10 @@ def test_a_backend_without_offload_is_refused_before_any_actor_starts(monkeypatc
 
     monkeypatch.setattr(registry, "load", lambda kind, name: NoOffload)
     cfg = load_config("tiny-cpu", {**TINY, "run.run_dir": str(tmp_path)})
+    cluster = launch.RayCluster(cfg)
     with pytest.raises(UserError, match="train.offload=false"):
-        launch.build_trainer(cfg, None, None)
-    assert id(cfg) not in launch._SESSIONS  # no placement was reserved
+        cluster.trainer(None, None)
+    assert cluster.session is None  # no placement was reserved
 
 
 def test_offload_also_wraps_rank0_broadcast(ray_session, tmp_path):

@@ -132,7 +132,7 @@ def test_a_dead_trainer_rank_leaves_a_checkpoint_the_run_resumes_from(ray_sessio
         asyncio.run(main())
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_1"
     # The checkpoint is whole: the run resumes from it (here in one process: DCP shards load at any size).
-    records = train(load_config("tiny-cpu", {**TINY, "cluster.mode": "local", "run.steps": 3,
+    records = train(load_config("tiny-cpu", {**TINY, "cluster.mode": "inprocess", "run.steps": 3,
                                              "run.checkpoint_every": 1, "run.run_dir": str(tmp_path)}), resume=True)
     assert [r["step"] for r in records] == [1, 2]
     logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

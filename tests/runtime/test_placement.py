@@ -75,9 +75,9 @@ def test_a_topology_larger_than_the_cluster_is_a_clear_error(ray_session, monkey
 def test_unknown_cluster_mode_and_ray_only_transports_are_clear_errors():
     from miles_agent.components import build_trainer
     from miles_agent.config import load_config
-    from miles_agent.runtime.launch import build_transport
+    from miles_agent.runtime.launch import RayCluster
 
-    with pytest.raises(UserError, match="cluster.mode must be local or ray"):
+    with pytest.raises(UserError, match=r"unknown cluster mode 'slurm' \(cluster.mode=slurm\); installed: inprocess, ray"):
         build_trainer(load_config(None, {"cluster.mode": "slurm"}), None, None)
-    with pytest.raises(UserError, match="sync.transport=disk is for cluster.mode=local"):
-        build_transport(load_config(None, {"cluster.mode": "ray", "sync.transport": "disk"}), None, [None])
+    with pytest.raises(UserError, match="sync.transport=disk is for cluster.mode=inprocess"):
+        RayCluster(load_config(None, {"cluster.mode": "ray", "sync.transport": "disk"})).transport(None, [None])

@@ -73,11 +73,11 @@ def test_rank0_broadcasts_checked_weights_and_a_replaced_engine_rejoins(ray_sess
 
 
 def test_colocated_engines_cannot_use_the_distributed_transport(tmp_path):
-    from miles_agent.runtime.launch import build_transport
+    from miles_agent.runtime.launch import RayCluster
 
     cfg = load_config("tiny-cpu", {**TINY, "cluster.colocate": True, "train.world_size": 2,
                                    "run.run_dir": str(tmp_path)})
     with pytest.raises(UserError, match="cluster.colocate=false"):
-        build_transport(cfg, trainer=None, engines=[None])  # refused before anything is placed
-    with pytest.raises(UserError, match="sync.transport=shm is for cluster.mode=local"):
-        build_transport(load_config("tiny-cpu", {**TINY, "sync.transport": "shm"}), trainer=None, engines=[None])
+        RayCluster(cfg).transport(trainer=None, engines=[None])  # refused before anything is placed
+    with pytest.raises(UserError, match="sync.transport=shm is for cluster.mode=inprocess"):
+        RayCluster(load_config("tiny-cpu", {**TINY, "sync.transport": "shm"})).transport(trainer=None, engines=[None])

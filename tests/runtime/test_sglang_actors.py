@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from miles_agent.components import build_engines
 from miles_agent.config import load_config
 from miles_agent.runtime import launch
 
@@ -28,9 +27,10 @@ def _cfg(tmp_path, **extra):
 def test_each_engine_bundle_gets_a_server_actor_on_its_own_gpu(ray_session, tmp_path):
     ray = ray_session
     cfg = _cfg(tmp_path)
-    sess = launch.session(cfg)
+    cluster = launch.RayCluster(cfg)
     try:
-        engines = build_engines(cfg, None, None)
+        engines = cluster.engines(None, None)
+        sess = cluster.session
         assert len(engines) == 2 and all(e.url.startswith("http://127.0.0.1:") for e in engines)
         for e in engines:  # the server runs with the launch arguments the config asked for
             info = json.loads(urllib.request.urlopen(e.url + "/get_server_info", timeout=30).read())
@@ -47,4 +47,4 @@ def test_each_engine_bundle_gets_a_server_actor_on_its_own_gpu(ray_session, tmp_
         with pytest.raises(OSError):
             urllib.request.urlopen(engines[0].url + "/health_generate", timeout=5)
     finally:
-        sess.close()
+        cluster.session.close()

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 
 from miles_agent.config import load_config
+from miles_agent.engines.sglang.server import SGLangServer, free_port
 from miles_agent.loop import Run
-from miles_agent.rollout.sglang.server import SGLangServer, free_port
-from miles_agent.runtime import launch
 from miles_agent.runtime.sglang_colocate import ServerMemory
 
 FAKE = Path(__file__).parents[1] / "sglang" / "fake_sglang_server.py"
@@ -128,7 +127,7 @@ def test_colocated_sglang_servers_give_the_device_to_the_trainer_every_step(ray_
         "rollout.engine": "sglang", "sglang.launch_command": f"{sys.executable} {FAKE}", "sync.transport": transport,
         "sglang.startup_timeout_s": 120})
     run = Run(cfg)
-    sess = launch.session(cfg)
+    sess = run.cluster.session
     actor = sess.engines.engines[0].process.actor
     url = run.engine.url
 

@@ -253,9 +253,9 @@ def test_reap_command_line(engine, monkeypatch, capsys):
 
 
 def test_sandbox_options_from_the_config_reach_the_backend(engine):
+    from miles_agent.build import sandbox_factory
     from miles_agent.config import load_config
     from miles_agent.errors import UserError
-    from miles_agent.sandboxes import sandbox_factory
 
     cfg = load_config(overrides=["env.sandbox=docker",
                                  f'env.sandbox_options={{"base_url": "{engine.base_url}", "ttl_s": 120, "cpus": 0.5}}'])

@@ -1,5 +1,5 @@
 """A fake SGLang server for the tests: SGLang's HTTP routes, payloads and status codes, backed by the
-embedded LocalEngine on a tiny model, so generations, logprobs and routed experts are real.
+embedded EmbeddedEngine on a tiny model, so generations, logprobs and routed experts are real.
 
 Keyed to sglang 0.5.x source (``pip download --no-deps sglang``):
 * routes and status codes: sglang/srt/entrypoints/http_server.py (``generate_request``,
@@ -45,8 +45,8 @@ import torch
 from aiohttp import web
 
 from miles_agent.engine import FinishReason, PauseMode, SamplingParams
-from miles_agent.rollout.local import LocalEngine
-from miles_agent.weight_sync.receiver import LocalReceiver
+from miles_agent.engines.embedded.engine import EmbeddedEngine
+from miles_agent.transports.receiver import InProcessReceiver
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang GPU_MEMORY_TYPE_* tags
 
@@ -57,9 +57,9 @@ def error(message: str, status: int = 400) -> web.Response:
 
 
 class FakeSGLang:
-    def __init__(self, engine: LocalEngine, model_path: str, server_args: dict[str, Any]) -> None:
+    def __init__(self, engine: EmbeddedEngine, model_path: str, server_args: dict[str, Any]) -> None:
         self.engine = engine
-        self.receiver = LocalReceiver(engine)
+        self.receiver = InProcessReceiver(engine)
         self.model_path = model_path
         self.server_args = server_args
         self.released: set[str] = set()
@@ -273,7 +273,7 @@ async def _json(request: web.Request) -> dict[str, Any]:
     return (await request.json()) if request.can_read_body else {}
 
 
-def _slow_steps(engine: LocalEngine, delay_s: float) -> None:
+def _slow_steps(engine: EmbeddedEngine, delay_s: float) -> None:
     """Sleep in every scheduler step, so tests can catch requests in flight."""
     step = engine._step
 
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         from miles_agent.models.builder import load_hf
 
         model, tok = load_hf(args.model_path)
-    engine = LocalEngine(model, tok, max_batch_size=32)
+    engine = EmbeddedEngine(model, tok, max_batch_size=32)
     if args.ignore_eos:
         engine.eos_ids = frozenset()
     if args.decode_delay_s:

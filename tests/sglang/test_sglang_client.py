@@ -1,4 +1,4 @@
-"""SGLangEngine against a fake SGLang server (real HTTP, a LocalEngine behind it): generation, errors,
+"""SGLangEngine against a fake SGLang server (real HTTP, a EmbeddedEngine behind it): generation, errors,
 health, cache, memory, LoRA, and the contract's pause modes."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import functools
 import pytest
 
 from miles_agent.engine import FinishReason, PauseMode, SamplingParams
+from miles_agent.engines.embedded.engine import EmbeddedEngine
+from miles_agent.engines.sglang.client import SGLangEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.local import LocalEngine
-from miles_agent.rollout.sglang.client import SGLangEngine
-from miles_agent.weight_sync.core import WeightSyncError
+from miles_agent.transports.core import WeightSyncError
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
@@ -25,7 +25,7 @@ def tiny(arch: str):
 
 def reference(prompt, sampling, arch="tiny-qwen3", routed=False):
     model, tok = tiny(arch)
-    engine = LocalEngine(model, tok, max_batch_size=4)
+    engine = EmbeddedEngine(model, tok, max_batch_size=4)
     engine.eos_ids = frozenset()
 
     async def main():

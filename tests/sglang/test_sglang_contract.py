@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from miles_agent.rollout.sglang.client import SGLangEngine
+from miles_agent.engines.sglang.client import SGLangEngine
 from miles_agent.testing.contracts import EngineContract
 
 

@@ -10,18 +10,18 @@ import functools
 import numpy as np
 import pytest
 
+from miles_agent.build import build_env, build_harness
 from miles_agent.config import load_config
 from miles_agent.engine import FinishReason, PauseMode, SamplingParams
-from miles_agent.loop import build_env, build_harness
-from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.episodes import EpisodeRunner
-from miles_agent.rollout.local import LocalEngine
-from miles_agent.rollout.sglang.client import SGLangEngine
-from miles_agent.rollout.sglang.wire import (
+from miles_agent.engines.embedded.engine import EmbeddedEngine
+from miles_agent.engines.sglang.client import SGLangEngine
+from miles_agent.engines.sglang.wire import (
     GenerateResponseError,
     decode_routed_experts,
     encode_routed_experts,
 )
+from miles_agent.models.builder import build_tiny
+from miles_agent.rollout.episodes import EpisodeRunner
 from miles_agent.types import Status
 
 PROMPT = [5, 17, 42, 99, 3, 7]
@@ -100,7 +100,7 @@ def test_routed_experts_from_http_equal_the_engines_own(start_fake):
     server = start_fake("tiny-qwen3-moe", "--ignore-eos")
     model, tok = tiny("tiny-qwen3-moe")
     sampling = SamplingParams(max_new_tokens=5, temperature=0)
-    engine = LocalEngine(model, tok, max_batch_size=2)
+    engine = EmbeddedEngine(model, tok, max_batch_size=2)
     engine.eos_ids = frozenset()
     client = SGLangEngine(server.url, routed_top_k=model.config.num_experts_per_tok)
 

@@ -13,13 +13,13 @@ import pytest
 from conftest import FAKE
 from fake_router import FakeRouter
 
-from miles_agent.components import build_engines
+from miles_agent.components import cluster_for
 from miles_agent.config import load_config
 from miles_agent.engine import FinishReason, SamplingParams
+from miles_agent.engines.sglang.server import server_argv
 from miles_agent.errors import UserError
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.sglang.cli_args import split_sglang_flags, with_server_args
-from miles_agent.rollout.sglang.server import server_argv
+from miles_agent.server_flags import split_sglang_flags, with_server_args
 
 
 def test_sglang_flags_pass_through_verbatim():
@@ -54,7 +54,7 @@ def test_launcher_supervises_and_registers_with_the_router(tmp_path):
         f"sglang.launch_command={shlex.quote(sys.executable)} {shlex.quote(str(ARGV_SERVER))}",
         f"model.hf_checkpoint={tmp_path}/ckpt", "sglang.server_args={enable_torch_compile: true}",
         f"run.run_dir={tmp_path}"])
-    engines = build_engines(cfg, model, tok)
+    engines = cluster_for(cfg).engines(model, tok)
 
     async def main():
         try:
@@ -93,7 +93,7 @@ def test_launch_register_supervise_and_shut_down(tmp_path):
         f"sglang.launch_command={shlex.quote(sys.executable)} {shlex.quote(str(FAKE))}",
         "sglang.mem_fraction_static=0.5", "sglang.server_args={enable_torch_compile: true}", f"run.run_dir={tmp_path}"]),
         flags)
-    engines = build_engines(cfg, model, tok)
+    engines = cluster_for(cfg).engines(model, tok)
 
     async def main():
         try:
@@ -131,4 +131,4 @@ def test_launch_failure_names_the_log(tmp_path):
                                    f"sglang.launch_command={shlex.quote(sys.executable)} -c 'import sys; "
                                    "print(\"no GPU here\"); sys.exit(3)'"])
     with pytest.raises(RuntimeError, match=r"exited with code 3(.|\n)*no GPU here"):
-        build_engines(cfg, model, tok)
+        cluster_for(cfg).engines(model, tok)

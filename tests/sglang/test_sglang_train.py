@@ -10,8 +10,8 @@ import torch
 
 from miles_agent.cli import main
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.sglang.client import SGLangEngine
 from miles_agent.models.builder import build_tiny, load_hf, save_hf
-from miles_agent.rollout.sglang.client import SGLangEngine
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from miles_agent.engine import FinishReason, PauseMode, SamplingParams
+from miles_agent.engines.sglang.client import SGLangEngine
 from miles_agent.models.builder import build_tiny
-from miles_agent.rollout.sglang.client import SGLangEngine
-from miles_agent.weight_sync.disk import DiskTransport
-from miles_agent.weight_sync.dist import DistributedTransport
-from miles_agent.weight_sync.shm import SharedMemoryTransport
+from miles_agent.transports.disk import DiskTransport
+from miles_agent.transports.dist import DistributedTransport
+from miles_agent.transports.shm import SharedMemoryTransport
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles_agent.engine import FinishReason, SamplingParams
-from miles_agent.rollout.sglang.wire import GenerateResponseError, generate_payload, parse_generate_response
+from miles_agent.engines.sglang.wire import GenerateResponseError, generate_payload, parse_generate_response
 
 
 def body(**meta):

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from miles_agent.components import offload_enabled
 from miles_agent.errors import UserError
-from miles_agent.trainers.offload import offload_enabled
 from tests.trainers.test_fsdp2_trainer import constant_advantages, make_trainer, make_trajectories, weights
 
 ADV = [1.0, -0.5, 0.75, -1.0]
@@ -77,7 +77,7 @@ def test_offload_before_the_first_step_has_no_optimizer_state_yet():
 
 
 @pytest.mark.parametrize(("value", "colocate", "mode", "expected"), [
-    ("auto", True, "ray", True), ("auto", False, "ray", False), ("auto", True, "local", False),
+    ("auto", True, "ray", True), ("auto", False, "ray", False), ("auto", True, "inprocess", False),
     (False, True, "ray", False), (True, False, "ray", True)])
 def test_offload_setting(value, colocate, mode, expected):
     assert offload_enabled(value, colocate=colocate, mode=mode) is expected
@@ -85,6 +85,6 @@ def test_offload_setting(value, colocate, mode, expected):
 
 def test_offload_setting_refuses_what_cannot_work():
     with pytest.raises(UserError, match="cluster.mode=ray"):
-        offload_enabled(True, colocate=False, mode="local")
+        offload_enabled(True, colocate=False, mode="inprocess")
     with pytest.raises(UserError, match="auto, true or false"):
         offload_enabled("yes", colocate=True, mode="ray")

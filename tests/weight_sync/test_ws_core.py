@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_agent.weight_sync import WeightMismatchError, prefix_map, tensor_checksum
-from miles_agent.weight_sync.core import (
+from miles_agent.transports import WeightMismatchError, prefix_map, tensor_checksum
+from miles_agent.transports.core import (
     WeightSyncError,
     bucket_metadata,
     compare_checksums,

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from miles_agent.engine import SamplingParams
+from miles_agent.engines.embedded.process import EngineProcess, tiny_model_fn
 from miles_agent.models.builder import build_tiny
-from miles_agent.weight_sync import (
+from miles_agent.transports import (
     DiskTransport,
     DistributedTransport,
     SharedMemoryTransport,
@@ -20,7 +21,6 @@ from miles_agent.weight_sync import (
     WeightSyncError,
     prefix_map,
 )
-from miles_agent.weight_sync.process import EngineProcess, tiny_model_fn
 
 PROMPT = list(range(40, 52))
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -128,9 +128,9 @@ def _perturb_file(save_file):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_check_mode_catches_a_corrupted_transfer_by_name(kind, engine, tmp_path, monkeypatch):
-    import miles_agent.weight_sync.disk as disk
-    import miles_agent.weight_sync.dist as dist
-    import miles_agent.weight_sync.shm as shm
+    import miles_agent.transports.disk as disk
+    import miles_agent.transports.dist as dist
+    import miles_agent.transports.shm as shm
 
     if kind == "disk":
         from safetensors.torch import save_file

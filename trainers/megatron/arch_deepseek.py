@@ -31,7 +31,7 @@ from torch import Tensor
 
 from miles_agent.errors import UserError
 from miles_agent.trainers.megatron import arch_moe
-from miles_agent.trainers.megatron.bridge import ArchSpec, MLASpec, _rope_theta
+from miles_agent.trainers.megatron.arch_spec import ArchSpec, MLASpec, rope_theta
 
 ARCH = "DeepseekV3ForCausalLM"
 # yarn keys of the HF rope parameters -> Megatron MLATransformerConfig fields
@@ -66,7 +66,7 @@ def spec(cfg: Any) -> ArchSpec:
     return ArchSpec(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=heads, num_kv_heads=heads,
         head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, ffn_hidden_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size, tied_embeddings=bool(cfg.tie_word_embeddings), rope_theta=_rope_theta(cfg),
+        vocab_size=cfg.vocab_size, tied_embeddings=bool(cfg.tie_word_embeddings), rope_theta=rope_theta(cfg),
         norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
         family="deepseek_v3", qk_norm=True, mla=mla, **arch_moe.moe_fields(cfg, ARCH))
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from miles_agent.errors import UserError
 from miles_agent.trainers.megatron import arch_moe
-from miles_agent.trainers.megatron.bridge import ArchSpec, _rope_theta, fuse_qkv, split_qkv
+from miles_agent.trainers.megatron.arch_spec import ArchSpec, fuse_qkv, rope_theta, split_qkv
 
 ARCH = "Glm4MoeForCausalLM"
 
@@ -42,7 +42,7 @@ def spec(cfg: Any) -> ArchSpec:
         num_kv_heads=cfg.num_key_value_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-        tied_embeddings=bool(cfg.tie_word_embeddings), rope_theta=_rope_theta(cfg), norm_eps=cfg.rms_norm_eps,
+        tied_embeddings=bool(cfg.tie_word_embeddings), rope_theta=rope_theta(cfg), norm_eps=cfg.rms_norm_eps,
         max_position_embeddings=cfg.max_position_embeddings, family="glm4_moe",
         qkv_bias=bool(getattr(cfg, "attention_bias", False)),
         qk_norm=bool(getattr(cfg, "use_qk_norm", False)),

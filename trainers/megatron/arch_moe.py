@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from miles_agent.errors import UserError
-from miles_agent.trainers.megatron.bridge import ArchSpec, _pad_rows
+from miles_agent.trainers.megatron.arch_spec import ArchSpec, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,10 @@ def megatron_kwargs(spec: ArchSpec) -> dict[str, Any]:
 # -- the tensors outside the decoder layers ---------------------------------------------------------
 
 def outer_to_megatron(hf: Mapping[str, Tensor], spec: ArchSpec, vocab_size: int | None) -> dict[str, Tensor]:
-    out = {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], vocab_size),
+    out = {"embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], vocab_size),
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not spec.tied_embeddings:
-        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], vocab_size)
+        out["output_layer.weight"] = pad_rows(hf["lm_head.weight"], vocab_size)
     return out
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from miles_agent.errors import UserError, require
-from miles_agent.trainers.megatron.bridge import ArchSpec
+from miles_agent.trainers.megatron.arch_spec import ArchSpec
 
 
 @dataclass(frozen=True)

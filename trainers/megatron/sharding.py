@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from miles_agent.trainers.megatron.bridge import ArchSpec
+from miles_agent.trainers.megatron.arch_spec import ArchSpec
 from miles_agent.trainers.megatron.model import ParallelSizes
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")

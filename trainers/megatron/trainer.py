@@ -26,12 +26,13 @@ from torch import Tensor
 
 from miles_agent.algorithms.estimators import needs_reference
 from miles_agent.atomic import replace_dir
-from miles_agent.config import AlgoConfig, MegatronConfig, TrainConfig
+from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError, require
 from miles_agent.trainers.batching import MicroBatch
 from miles_agent.trainers.fsdp2 import init_distributed
 from miles_agent.trainers.megatron import bridge
 from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded_vocab
+from miles_agent.trainers.megatron.options import MegatronConfig
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
 from miles_agent.trainers.policy_trainer import OptimizerStep, PolicyTrainer
 from miles_agent.trainers.step_loss import micro_batch_loss

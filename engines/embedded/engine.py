@@ -1,0 +1,402 @@
+"""EmbeddedEngine: the embedded rollout engine, an in-process torch engine with continuous batching.
+
+It serves HF Qwen3 / Qwen3-MoE decoder models on CPU or CUDA behind the same `RolloutEngine`
+contract as an SGLang server, so harnesses and the driver never know which one they talk to.
+
+How it works: ``generate`` enqueues a request and awaits its future. One scheduler task per event
+loop (started lazily) repeats: admit waiting requests into free KV-cache slots and prefill them as
+one padded batch, run ONE batched decode step over every running sequence, resolve the finished
+ones. The torch work runs in a worker thread (``asyncio.to_thread``) so the event loop stays free
+for the environment and harness code that runs beside the engine. The forward is
+`miles_agent.engines.embedded.model_runner.ModelRunner`; sampling is `miles_agent.engines.embedded.sampling`.
+
+Logprob convention (the trainer must match it): ``output_logprobs[i] = log_softmax(logits / T)[token]``
+with ``T`` the request's temperature (``T = 1`` for greedy), computed before top-p / top-k
+filtering. The trainer divides its logits by the same temperature.
+
+Routed experts (R3), MoE only: every token that goes through the model records its top-k expert ids
+per MoE layer, prompt tokens included; a request that asks gets int32
+``(prompt_len + len(output_ids) - 1, moe_layers, top_k)`` as SGLang returns it. A retracted request
+is re-prefilled, and the re-prefill's routing replaces the earlier rows.
+
+EOS: like SGLang (without ``ignore_eos``), the model's EOS ids stop generation (finish ``stop``, EOS
+kept) in addition to the request's ``stop_token_ids``.
+
+Weight versions: ``Completion.weight_version`` is the version that sampled the last token; when
+weights change under a request (in-place pause, then update), ``meta["weight_versions"]`` lists
+``(version, first output index)`` for each version that sampled part of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from miles_agent.engine import (
+    Completion,
+    FinishReason,
+    PauseMode,
+    SamplingParams,
+    Scores,
+    check_score_request,
+)
+from miles_agent.engines.embedded.model_runner import ModelRunner
+from miles_agent.engines.embedded.sequence import Sequence
+
+_ids = itertools.count()
+
+
+class EmbeddedEngine:
+    """In-process rollout engine with its own KV cache and continuous batching (see module docstring).
+
+    ``stats`` counts decode steps and decoded sequences (their ratio is ``mean_decode_batch``), prefill
+    batches / sequences / tokens, generated tokens, retractions and failed steps. ``eos_ids`` are the
+    ids that always stop a request; benchmarks that need fixed-length outputs may set it empty.
+    """
+
+    #: Padded prefill batch budget (batch x longest prompt), so one admission does not allocate without bound.
+    prefill_token_budget = 32768
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_batch_size: int = 128,
+                 device: str | torch.device = "cpu", max_seq_len: int | None = None,
+                 weight_version: int = 0, true_on_policy: bool = False) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        max_seq_len = max_seq_len or limit
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2 (set it or the model's max_position_embeddings), "
+                             f"got {max_seq_len}")
+        self.device = torch.device(device)
+        if true_on_policy:  # the trainer's batch-invariant numerics: bitwise-equal logprobs
+            from miles_agent import true_on_policy as exact
+
+            exact.apply(model)
+        self.runner = ModelRunner(model, self.device, max_seq_len, max_batch_size)
+        self.runner.exact = true_on_policy
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.eos_ids = _eos_ids(model)
+        self._version = int(weight_version)
+        self.stats: dict[str, int] = dict(decode_steps=0, decoded_sequences=0, prefill_batches=0,
+                                          prefilled_sequences=0, prefill_tokens=0, generated_tokens=0,
+                                          retractions=0, failed_steps=0)
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._free_slots = list(range(max_batch_size))  # a min-heap: the lowest free slot goes first
+        self._paused = False
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._lock: asyncio.Lock | None = None
+        self._wake: asyncio.Event | None = None
+
+    # -- public API ---------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def mean_decode_batch(self) -> float:
+        """Average number of sequences per decode step: > 1 means requests really were batched."""
+        return self.stats["decoded_sequences"] / max(1, self.stats["decode_steps"])
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None, *,
+                       return_routed_experts: bool = False) -> Completion:
+        """Enqueue one request and wait for it; raises ValueError on bad input before queueing."""
+        sampling = sampling or SamplingParams()
+        ids = self._check_request(input_ids, sampling, return_routed_experts)
+        self._bind_loop()
+        assert self._loop is not None and self._wake is not None
+        seq = Sequence(rid=next(_ids), prompt=ids, sampling=sampling, want_routing=return_routed_experts,
+                       future=self._loop.create_future(), stop_ids=frozenset(sampling.stop_token_ids) | self.eos_ids,
+                       max_seq_len=self.max_seq_len, tokenizer=self.tokenizer, device=self.device)
+        self._waiting.append(seq)
+        self._wake.set()
+        try:
+            return await seq.future
+        except asyncio.CancelledError:
+            seq.cancelled = True
+            if self._lock is not None and not self._lock.locked():
+                self._resolve()  # no step in flight (e.g. paused): free its slot now
+            self._wake.set()  # else the scheduler drops it at the next step boundary
+            raise
+
+    async def score(self, input_ids: list[int], *, logprob_start_len: int = 1,
+                    temperature: float = 1.0) -> Scores:
+        """Teacher-forced logprobs of ``input_ids[logprob_start_len:]`` (the `Scorer` contract), one
+        forward between scheduler steps; waits while the engine is paused (weights may be mid-update)."""
+        ids = [int(t) for t in input_ids]
+        check_score_request(ids, logprob_start_len, temperature)
+        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids holds {bad[0]}, outside the vocabulary [0, {self.runner.vocab_size})")
+        if len(ids) > self.max_seq_len:
+            raise ValueError(f"{len(ids)} tokens exceed the context of {self.max_seq_len} tokens (max_seq_len)")
+        self._bind_loop()
+        assert self._lock is not None
+        while True:
+            async with self._lock:
+                if self._stopped:
+                    raise RuntimeError("EmbeddedEngine is shut down; create a new engine")
+                if not self._paused:
+                    logprobs = await asyncio.to_thread(self.runner.score, ids, logprob_start_len, temperature)
+                    return Scores(logprobs, logprob_start_len, self._version)
+            await asyncio.sleep(0.01)  # paused: poll until resume (pauses last one weight sync)
+
+    async def pause(self, mode: PauseMode = PauseMode.IN_PLACE) -> None:
+        """Stop decoding at the next step boundary; returns once no step is in flight."""
+        mode = PauseMode(mode)
+        self._bind_loop()
+        assert self._lock is not None
+        self._paused = True
+        async with self._lock:
+            if mode is PauseMode.ABORT:
+                for seq in [*self._running, *self._waiting]:
+                    seq.finish = seq.finish or FinishReason.ABORT
+                self._resolve()
+            elif mode is PauseMode.RETRACT:
+                self._retract_running()
+
+    async def resume(self) -> None:
+        """Continue decoding: in-place requests carry on, retracted ones are re-prefilled first."""
+        self._bind_loop()
+        assert self._wake is not None
+        self._paused = False
+        self._wake.set()
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy tensors into the model by HF name and set the version; waits for any step in flight.
+
+        All names and shapes are checked before anything is copied, so a bad bucket changes nothing.
+        """
+        self._bind_loop()
+        assert self._lock is not None
+        items = list(named_tensors)
+        async with self._lock:
+            await asyncio.to_thread(self.runner.load_weights, items)
+            self._version = int(version)
+
+    async def health(self) -> bool:
+        """True while the scheduler task is alive (starting it if needed) and the engine is not shut down."""
+        if self._stopped or self._dead is not None:
+            return False
+        self._bind_loop()
+        return self._task is not None and not self._task.done()
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight, stop the scheduler and free the KV cache."""
+        if self._stopped:
+            return
+        self._bind_loop()
+        assert self._lock is not None and self._wake is not None
+        self._stopped = True
+        async with self._lock:
+            for seq in [*self._running, *self._waiting]:
+                seq.finish = seq.finish or FinishReason.ABORT
+            self._resolve()
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.runner.release()
+
+    # -- request checks --------------------------------------------------------------------------------
+    def _check_request(self, input_ids: list[int], sampling: SamplingParams, routed: bool) -> list[int]:
+        if self._stopped:
+            raise RuntimeError("EmbeddedEngine is shut down; create a new engine")
+        if self._dead is not None:
+            raise RuntimeError(f"EmbeddedEngine scheduler died: {self._dead!r}") from self._dead
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise ValueError("input_ids is empty; the engine needs at least one prompt token")
+        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids holds {bad[0]}, outside the vocabulary [0, {self.runner.vocab_size})")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"input of {len(ids)} tokens leaves no room in the context of {self.max_seq_len} "
+                             "tokens (max_seq_len); shorten the prompt")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass tokenizer= to EmbeddedEngine or use stop_token_ids")
+        if routed and not self.runner.is_moe:
+            raise ValueError(f"return_routed_experts=True needs a MoE model; {type(self.model).__name__} "
+                             "is dense and routes no experts")
+        return ids
+
+    # -- scheduler -------------------------------------------------------------------------------------
+    def _bind_loop(self) -> None:
+        """Start the scheduler in the running loop; on a new loop, drop state that belonged to the old one."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        if self._loop is not loop:
+            for seq in [*self._running, *self._waiting]:  # their futures belong to a loop that is gone
+                self._release(seq)
+            self._running, self._waiting = [], deque()
+            self._loop, self._lock, self._wake = loop, asyncio.Lock(), asyncio.Event()
+        if not self._stopped and self._dead is None:
+            self._task = loop.create_task(self._run(), name="miles-agent-embedded-engine")
+
+    async def _run(self) -> None:
+        assert self._lock is not None and self._wake is not None
+        try:
+            while not self._stopped:
+                if self._paused or not (self._waiting or self._running):
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                async with self._lock:
+                    if self._paused or self._stopped:
+                        continue
+                    self._drop_cancelled()
+                    admitted = self._admit()
+                    await asyncio.to_thread(self._step, admitted)
+                    self._resolve()
+                await asyncio.sleep(0)  # let new requests and control calls in between steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a bug in the scheduler itself: fail everything, never hang
+            self._dead = e
+            for seq in [*self._running, *self._waiting]:
+                seq.error = seq.error or RuntimeError(f"EmbeddedEngine scheduler died: {e!r}")
+            self._resolve()
+            raise
+
+    def _admit(self) -> list[Sequence]:
+        """Move waiting requests into free slots, FIFO, within the padded prefill budget."""
+        admitted: list[Sequence] = []
+        longest = 0
+        while self._waiting and self._free_slots:
+            seq = self._waiting[0]
+            longest = max(longest, len(seq.tokens))
+            if admitted and longest * (len(admitted) + 1) > self.prefill_token_budget:
+                break
+            self._waiting.popleft()
+            seq.slot = heapq.heappop(self._free_slots)
+            admitted.append(seq)
+            self._running.append(seq)
+        return admitted
+
+    def _step(self, admitted: list[Sequence]) -> None:
+        """Worker-thread body: prefill the admitted batch, then one decode step for all running sequences.
+
+        Errors fail only the sequences of the phase that raised; the engine keeps serving.
+        """
+        if admitted:
+            try:
+                self._prefill(admitted)
+            except Exception as e:  # noqa: BLE001 - handed to the requests' futures
+                self._fail(admitted, e)
+        batch = sorted((s for s in self._running if s.finish is None and s.error is None and s.slot is not None),
+                       key=lambda s: s.slot)
+        if batch:
+            try:
+                self._decode(batch)
+            except Exception as e:  # noqa: BLE001 - handed to the requests' futures
+                self._fail(batch, e)
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> None:
+        self.stats["failed_steps"] += 1
+        for seq in seqs:
+            seq.error = seq.error or error
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        record = any(s.want_routing for s in seqs)
+        token_lists = [s.tokens for s in seqs]
+        logits, routing = self.runner.prefill([s.slot for s in seqs], token_lists, record)
+        self.stats["prefill_batches"] += 1
+        self.stats["prefilled_sequences"] += len(seqs)
+        self.stats["prefill_tokens"] += sum(len(t) for t in token_lists)
+        for b, seq in enumerate(seqs):
+            seq.cache_len = len(token_lists[b])
+            if routing is not None and seq.want_routing:
+                seq.set_routing(0, routing[b, : seq.cache_len])
+        self._sample_into(seqs, logits)
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        record = any(s.want_routing for s in seqs)
+        positions = [s.cache_len for s in seqs]
+        logits, routing = self.runner.decode([s.slot for s in seqs], [s.last_token for s in seqs], positions, record)
+        self.stats["decode_steps"] += 1
+        self.stats["decoded_sequences"] += len(seqs)
+        for b, seq in enumerate(seqs):
+            if routing is not None and seq.want_routing:
+                seq.set_routing(seq.cache_len, routing[b : b + 1])
+            seq.cache_len += 1
+        self._sample_into(seqs, logits)
+
+    def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample the next token of every sequence that may still grow; finished ones are skipped."""
+        from miles_agent.engines.embedded.sampling import sample
+
+        live = [b for b, s in enumerate(seqs) if not s.check_length()]
+        if not live:
+            return
+        tokens, logprobs = sample(logits[live], [seqs[b].sampling for b in live],
+                                  [seqs[b].generator for b in live], exact=self.runner.exact)
+        for b, tok, lp in zip(live, tokens, logprobs):
+            seqs[b].append(tok, lp, self._version)
+        self.stats["generated_tokens"] += len(live)
+
+    def _resolve(self) -> None:
+        """Hand finished, failed and cancelled sequences back to their callers; free their slots."""
+        done = [s for s in [*self._running, *self._waiting] if s.finish or s.error or s.cancelled]
+        if not done:
+            return
+        done_ids = {id(s) for s in done}
+        self._running = [s for s in self._running if id(s) not in done_ids]
+        self._waiting = deque(s for s in self._waiting if id(s) not in done_ids)
+        for seq in done:
+            self._release(seq)
+            if seq.future.done():
+                continue
+            if seq.error is not None:
+                seq.future.set_exception(seq.error)
+            elif seq.finish is not None:
+                seq.future.set_result(seq.completion(self._version))
+
+    def _drop_cancelled(self) -> None:
+        if any(s.cancelled for s in [*self._running, *self._waiting]):
+            self._resolve()
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            heapq.heappush(self._free_slots, seq.slot)
+            seq.slot = None
+        seq.cache_len = 0
+
+    def _retract_running(self) -> None:
+        """Drop the running sequences' KV cache and queue them first for re-prefill on resume."""
+        retracted = [s for s in self._running if not (s.finish or s.error)]
+        self._resolve()
+        for seq in retracted:
+            self._release(seq)
+            seq.retractions += 1
+        self.stats["retractions"] += len(retracted)
+        self._running = [s for s in self._running if s not in retracted]
+        self._waiting.extendleft(reversed(retracted))
+
+
+def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
+    """The model's EOS ids (generation config first), which stop generation as in SGLang."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)

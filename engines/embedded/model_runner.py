@@ -1,0 +1,239 @@
+"""The embedded engine's model runner: a Qwen3 / Qwen3-MoE forward over the HF module weights with its own KV cache.
+
+Why not call the HF module's ``forward``: continuous batching needs a per-sequence KV cache that
+sequences join and leave at every step, with a different length per row; HF's cache classes are
+built for one ``generate`` call. So the runner re-implements the decoder loop, calling HF's own
+leaf modules (linear layers, RMSNorms, rotary embedding, the sparse-MoE router and experts) so the
+fp32 numerics match HF's forward. Attention is SDPA with an explicit mask.
+
+The cache is preallocated per slot, ``[layers, slots, kv_heads, capacity, head_dim]`` for keys and
+values, and grows (doubling) in both slots and capacity up to the engine's limits, so a tiny model
+on a laptop does not reserve ``max_batch_size x max_seq_len`` up front.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _is_moe(mlp: torch.nn.Module) -> bool:
+    return hasattr(mlp, "gate") and hasattr(mlp, "experts")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's apply_rotary_pos_emb for [B, heads, T, head_dim] tensors."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class ModelRunner:
+    """Prefill and batched decode over per-slot KV cache. Not thread-safe: one step at a time."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_seq_len: int, max_slots: int) -> None:
+        cfg = model.config
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"EmbeddedEngine serves {', '.join(SUPPORTED_MODEL_TYPES)} models; got model_type "
+                             f"{model_type!r} ({type(model).__name__})")
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+            raise ValueError("EmbeddedEngine does not implement sliding-window attention; "
+                             "set use_sliding_window=False in the model config")
+        self.model = model.to(device).eval()
+        self.device = device
+        self.config = cfg
+        self.decoder = model.model
+        self.layers = list(self.decoder.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scaling = self.head_dim ** -0.5
+        self.vocab_size = cfg.vocab_size
+        self.moe_layers = [i for i, layer in enumerate(self.layers) if _is_moe(layer.mlp)]
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0)) if self.moe_layers else 0
+        self.max_seq_len = max_seq_len
+        self.max_slots = max_slots
+        self.dtype = next(model.parameters()).dtype
+        self.k_cache = self._empty(0, 0)
+        self.v_cache = self._empty(0, 0)
+        self.exact = False  # true on-policy mode (miles_agent.true_on_policy), set by the engine
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    # -- cache ----------------------------------------------------------------------------------
+    def _empty(self, slots: int, length: int) -> torch.Tensor:
+        shape = (len(self.layers), slots, self.num_kv_heads, length, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def ensure_capacity(self, slots: int, length: int) -> None:
+        """Grow the cache (doubling, capped at the engine limits) so ``slots`` x ``length`` fits."""
+        cur_slots, cur_len = self.k_cache.shape[1], self.k_cache.shape[3]
+        if slots <= cur_slots and length <= cur_len:
+            return
+        new_slots = cur_slots if slots <= cur_slots else min(self.max_slots, max(slots, 2 * cur_slots))
+        new_len = cur_len if length <= cur_len else min(self.max_seq_len, max(length, 2 * cur_len, 64))
+        for name in ("k_cache", "v_cache"):
+            old = getattr(self, name)
+            new = self._empty(new_slots, new_len)
+            new[:, :cur_slots, :, :cur_len] = old
+            setattr(self, name, new)
+
+    def release(self) -> None:
+        """Drop the whole cache (callers re-prefill anything they still need)."""
+        self.k_cache = self._empty(0, 0)
+        self.v_cache = self._empty(0, 0)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _mlp(self, layer: torch.nn.Module, x: torch.Tensor, routing: list[torch.Tensor] | None) -> torch.Tensor:
+        mlp = layer.mlp
+        if not _is_moe(mlp):
+            return mlp(x)
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, experts = mlp.gate(flat)  # exactly HF's Qwen3MoeSparseMoeBlock.forward
+        if routing is not None:
+            routing.append(experts.view(*x.shape[:-1], -1))
+        return mlp.experts(flat, experts, weights).view_as(x)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                 routing: list[torch.Tensor] | None) -> torch.Tensor:
+        """Hidden states (before the final norm) for ids [B, T] at positions [B, T]."""
+        h = self.decoder.embed_tokens(ids)
+        cos, sin = self.decoder.rotary_emb(h, positions)
+        batch, length = ids.shape
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_norm(attn.q_proj(x).view(batch, length, -1, self.head_dim)).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(x).view(batch, length, -1, self.head_dim)).transpose(1, 2)
+            v = attn.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            q, k = _rope(q, k, cos, sin)
+            out = attend(i, q, k, v).transpose(1, 2).reshape(batch, length, -1)
+            h = h + attn.o_proj(out)
+            h = h + self._mlp(layer, layer.post_attention_layernorm(h), routing)
+        return h
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.decoder.norm(hidden)).float()
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              q_pos: torch.Tensor) -> torch.Tensor:
+        if self.exact:  # true on-policy: the trainer's batch-invariant kernel (masks by position)
+            from miles_agent import true_on_policy
+
+            return true_on_policy.attention(q, k, v, q_pos, self.scaling)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
+
+    @staticmethod
+    def _routing_rows(routing: list[torch.Tensor] | None) -> np.ndarray | None:
+        if not routing:
+            return None
+        return torch.stack(routing, dim=-2).to(torch.int32).cpu().numpy()  # [..., moe_layers, top_k]
+
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], seqs: list[list[int]],
+                record_routing: bool) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Run whole sequences into their (empty) slots, padded to one batch.
+
+        Returns float32 logits of each sequence's last token [B, V] and, when asked and the model is
+        MoE, the routed expert ids int32 [B, T_max, moe_layers, top_k] (rows past a sequence's length
+        are padding).
+        """
+        lens = torch.tensor([len(s) for s in seqs], device=self.device)
+        batch, length = len(seqs), max(len(s) for s in seqs)
+        self.ensure_capacity(max(slots) + 1, length)
+        ids = torch.tensor([s + [0] * (length - len(s)) for s in seqs], dtype=torch.long, device=self.device)
+        positions = torch.arange(length, device=self.device).expand(batch, length)
+        causal = torch.ones((length, length), dtype=torch.bool, device=self.device).tril()
+        mask = (causal[None] & (positions < lens[:, None])[:, None, :])[:, None]  # [B, 1, T, T]
+        slot_idx = torch.tensor(slots, device=self.device)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.k_cache[i, slot_idx, :, :length] = k
+            self.v_cache[i, slot_idx, :, :length] = v
+            return self._sdpa(q, k, v, mask, positions)
+
+        routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
+        h = self._forward(ids, positions, attend, routing)
+        last = h[torch.arange(batch, device=self.device), lens - 1]
+        return self._logits(last), self._routing_rows(routing)
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int],
+               record_routing: bool) -> tuple[torch.Tensor, np.ndarray | None]:
+        """One token per slot at its position (= the slot's cache length); appends to the cache.
+
+        Returns float32 logits [B, V] and, when asked on a MoE model, int32 routing [B, moe_layers, top_k].
+        """
+        pos = torch.tensor(positions, device=self.device)
+        span = max(positions) + 1
+        self.ensure_capacity(max(slots) + 1, span)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        mask = (torch.arange(span, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+        slot_idx = torch.tensor(slots, device=self.device)
+
+        # The engine hands out the lowest free slots, so a decode batch is usually a run of slots: then
+        # the cache is read through a view instead of gathered (the gather was a quarter of a step).
+        lo = slots[0]
+        contiguous = slots == list(range(lo, lo + len(slots)))
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.k_cache[i, slot_idx, :, pos] = k[:, :, 0]
+            self.v_cache[i, slot_idx, :, pos] = v[:, :, 0]
+            if contiguous:
+                keys = self.k_cache[i, lo : lo + len(slots), :, :span]
+                values = self.v_cache[i, lo : lo + len(slots), :, :span]
+            else:
+                keys = self.k_cache[i, :, :, :span].index_select(0, slot_idx)
+                values = self.v_cache[i, :, :, :span].index_select(0, slot_idx)
+            return self._sdpa(q, keys, values, mask, pos[:, None])
+
+        routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
+        h = self._forward(ids, pos[:, None], attend, routing)
+        rows = self._routing_rows(routing)
+        return self._logits(h[:, 0]), (None if rows is None else rows[:, 0])
+
+    @torch.inference_mode()
+    def score(self, ids: list[int], start: int, temperature: float) -> list[float]:
+        """Logprob of ``ids[start:]`` (``start >= 1``), each given the tokens before it, from one causal
+        forward that never touches the KV cache (so it runs between decode steps without disturbing them)."""
+        length = len(ids)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(length, device=self.device)[None]
+        mask = torch.ones((length, length), dtype=torch.bool, device=self.device).tril()[None, None]
+        h = self._forward(x, positions, lambda i, q, k, v: self._sdpa(q, k, v, mask, positions), None)
+        logits = self._logits(h[0, start - 1:length - 1]) / temperature
+        targets = x[0, start:, None]
+        if self.exact:  # true on-policy: the trainer's log-softmax, bit for bit
+            from miles_agent import true_on_policy
+
+            return true_on_policy.log_softmax(logits).gather(-1, targets).squeeze(-1).tolist()
+        return (logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)).tolist()
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into parameters/buffers by HF name; check every name and shape before copying any."""
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        for name, tensor in named_tensors:
+            if name not in targets:
+                raise ValueError(f"update_weights: the model has no parameter named {name!r}")
+            if tuple(targets[name].shape) != tuple(tensor.shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(targets[name].shape)} in the "
+                                 f"model but {tuple(tensor.shape)} was sent")
+        for name, tensor in named_tensors:
+            targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))

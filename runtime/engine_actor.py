@@ -1,0 +1,136 @@
+"""A rollout engine as a Ray actor: the embedded EmbeddedEngine in its own process, behind the same calls.
+
+The actor is async (Ray runs its methods on one event loop), so many ``generate`` calls are in
+flight at once and the engine batches them exactly as it does in-process. Besides the engine
+contract it answers ``probe`` (liveness plus progress, for the supervisor's hang detection),
+``release_memory`` / ``resume_memory`` (colocation: the KV cache is dropped and CUDA weights are
+moved to host while the trainer uses the device) and two fault-injection calls used by tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from miles_agent.engine import Completion, PauseMode, SamplingParams
+
+
+class EngineActor:
+    """Wrapped with ``ray.remote`` by ``remote_engine_class``; plain class so it stays importable without Ray."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_batch_size: int, device: str, weight_version: int = 0,
+                 true_on_policy: bool = False) -> None:
+        import torch
+
+        from miles_agent.engines.embedded.engine import EmbeddedEngine
+        from miles_agent.transports.receiver import InProcessReceiver
+
+        torch.set_num_threads(1)  # tiny CPU engines share cores with the trainer ranks
+        self.device = device
+        self.engine = EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, device=device,
+                                  weight_version=weight_version, true_on_policy=true_on_policy)
+        self.released = False
+        self.receiver = InProcessReceiver(self.engine)  # SGLang's weight-update API over this engine
+        # Ray runs an async actor's calls concurrently; SGLang serves weight updates one at a time, in order
+        self.weight_lock = asyncio.Lock()
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams,
+                       return_routed_experts: bool = False) -> Completion:
+        return await self.engine.generate(input_ids, sampling, return_routed_experts=return_routed_experts)
+
+    async def pause(self, mode: PauseMode = PauseMode.IN_PLACE) -> None:
+        await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, weights: Any, version: int) -> int:
+        """``weights``: `PackedWeights` (what the supervisor sends) or a list of (name, tensor)."""
+        from miles_agent.runtime.packed_weights import named_tensors
+
+        await self.engine.update_weights(named_tensors(weights), version)
+        return self.engine.weight_version
+
+    # -- SGLang's weight-update calls, so trainer rank 0 can broadcast to this engine (runtime/rank0_sync.py)
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        await self.receiver.pause_generation(mode)
+
+    async def continue_generation(self) -> None:
+        await self.receiver.continue_generation()
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        await self.receiver.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                      group_name, backend)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, flush_cache: bool, weight_version: str | None,
+                                              load_format: str | None) -> None:
+        async with self.weight_lock:  # buckets are broadcast in order: receive them in the order announced
+            await self.receiver.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache,
+                                                                weight_version, load_format)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self.receiver.destroy_weights_update_group(group_name)
+
+    async def check_weights(self, action: str = "checksum") -> dict[str, Any]:
+        return await self.receiver.check_weights(action)
+
+    async def probe(self) -> dict[str, Any]:
+        """Alive, weight version, requests waiting or running, and decode/prefill steps taken so far:
+        work pending with no step taken between two probes means the engine is stuck."""
+        e = self.engine
+        return {"healthy": await e.health(), "weight_version": e.weight_version,
+                "pending": len(e._waiting) + len(e._running), "paused": e._paused,
+                "steps": e.stats["decode_steps"] + e.stats["prefill_batches"] + e.stats["failed_steps"],
+                "kv_cache_bytes": _nbytes(e.runner.k_cache) + _nbytes(e.runner.v_cache),
+                "released": self.released}
+
+    async def release_memory(self) -> None:
+        """Colocation: stop, retract running requests (their KV cache goes), free the cache, weights to host."""
+        await self.engine.pause(PauseMode.RETRACT)
+        self.engine.runner.release()
+        if self.engine.device.type == "cuda":
+            import torch
+
+            self.engine.runner.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.released = True
+
+    async def resume_memory(self) -> bool:
+        """Weights back on the device (decoding continues at the next ``resume``); returns whether
+        the memory had been released."""
+        was = self.released
+        if was and self.engine.device.type == "cuda":
+            self.engine.runner.model.to(self.engine.device)
+        self.released = False
+        return was
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    def where(self) -> dict[str, Any]:
+        from miles_agent.runtime.ray_cluster import where_am_i
+
+        return where_am_i()
+
+    # -- fault injection (tests, chaos drills) --------------------------------------------------------
+    def crash(self) -> None:
+        """Die at once, as a segfault or OOM kill would."""
+        os._exit(1)
+
+    async def hang(self, seconds: float) -> None:
+        """Block the actor's event loop (a stuck engine): probes time out, requests stop moving."""
+        time.sleep(seconds)
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel() * t.element_size())
+
+
+def remote_engine_class() -> Any:
+    import ray
+
+    return ray.remote(max_restarts=0, max_concurrency=1000)(EngineActor)

@@ -1,0 +1,74 @@
+"""Full weights as a few flat byte buffers: the form in which they cross Ray's object store.
+
+Ray stores a numpy array with one memcpy and hands it to readers on the same node zero-copy, from
+shared memory; a list of torch tensors is pickled instead, several times slower for the same bytes
+(``python bench/weight_sync_ray.py``). So the trainer ranks, the supervisor and the engine actors pass
+`PackedWeights`: flat uint8 buckets (split where dtypes change alignment) with SGLang-style metadata.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from miles_agent.transports.core import TensorMeta, flat_buckets, pack, unpack
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+BUCKET_BYTES = 256 << 20  # GPU weights are packed on the device first: this bounds that extra memory
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    parts: list[tuple[Any, list[TensorMeta]]]  # (1-D uint8 numpy array, the tensors in it)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a, _ in self.parts)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Named views (no copy). Arrays read from the object store are read-only: load from these views
+        (copy them into parameters), never write to them."""
+        import torch
+
+        out = []
+        with warnings.catch_warnings():  # torch warns that the read-only buffer is shared, which is the point
+            warnings.simplefilter("ignore", UserWarning)
+            for array, metas in self.parts:
+                out.extend(unpack(torch.from_numpy(array), metas))
+        return out
+
+
+def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], staging: list[Any] | None = None
+                 ) -> PackedWeights:
+    """Copy the tensors (on any device) into host byte buffers: packed where they are, then one copy
+    to host per bucket. With ``staging`` (a list the caller keeps), host buffers are reused from one call
+    to the next: a fresh 200 MB buffer costs as much in page faults as the copy itself. The result then
+    aliases those buffers: ``ray.put`` it (which copies) before packing again."""
+    import torch
+
+    parts = []
+    for i, bucket in enumerate(flat_buckets(((n, t.detach()) for n, t in named_tensors), BUCKET_BYTES)):
+        device = bucket[0][1].device
+        host = None
+        if staging is not None:
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            if len(staging) <= i:
+                staging.append(torch.empty(0, dtype=torch.uint8))
+            if staging[i].numel() < nbytes:
+                staging[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            host = staging[i]
+        flat, metas = pack(bucket, out=host if device.type == "cpu" else None)
+        if host is not None and device.type != "cpu":
+            host[:flat.numel()].copy_(flat)
+            flat = host[:flat.numel()]
+        parts.append((flat.cpu().numpy(), metas))
+    return PackedWeights(parts)
+
+
+def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
+    """Tensors from `PackedWeights` or a plain list of (name, tensor)."""
+    return weights.tensors() if isinstance(weights, PackedWeights) else list(weights)
