@@ -17,6 +17,7 @@ import ctypes
 import errno
 import os
 import posixpath
+import shutil
 import stat
 
 _SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall table unification)
@@ -181,3 +182,21 @@ def write_workspace_file(root: str, root_fd: int, rel: str, content: bytes) -> N
     os.ftruncate(fd, 0)
     with os.fdopen(fd, "wb") as f:
         f.write(content)
+
+
+def remove_tree(root: str) -> None:
+    """Delete the sandbox folder, even where a command took away its own folders' permissions."""
+    try:
+        shutil.rmtree(root)
+        return
+    except OSError:
+        pass
+    for dirpath, dirnames, _ in os.walk(root):
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                try:
+                    os.chmod(path, stat.S_IRWXU)
+                except OSError:
+                    pass
+    shutil.rmtree(root, ignore_errors=True)

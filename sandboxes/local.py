@@ -54,6 +54,7 @@ from miles_agent.sandbox import (
 )
 
 from . import _local_paths as paths
+from . import _local_verifier as verifier
 from ._local_identity import HostIdentity, as_fs_user, claim_identity, find_setpriv, release_identity
 from ._local_isolation import (
     INSIDE_WORKSPACE,
@@ -77,9 +78,6 @@ CGROUP_JOIN = 'echo $$ > "$0" && exec "$@"'  # sh: join the command's cgroup, th
 MARKER_ENV = "MILES_AGENT_SANDBOX_ID"  # plain mode only: finds escaped processes at stop
 MAX_COMMAND_BYTES = 128 << 10  # the kernel refuses a longer single argument (MAX_ARG_STRLEN)
 AGENT_DIRS = (("workspace", INSIDE_WORKSPACE), ("tmp", "/tmp"), ("root", "/root"))
-# Top-level folders a verifier may not claim: the system's, and the ones the sandbox itself mounts.
-RESERVED_TOPS = frozenset({"", "usr", "etc", "proc", "dev", "sys", "bin", "sbin", "lib", "lib32", "lib64",
-                           "libx32", "workspace", "tmp", "root", "home"})
 T = TypeVar("T")
 _warned_unisolated = False
 
@@ -250,7 +248,7 @@ class LocalSandbox(Sandbox):
             release_identity(self._identity)
         if self.root is not None:
             root, self.root = self.root, None
-            await _off_loop(_remove_tree, root)
+            await _off_loop(paths.remove_tree, root)
 
     # -- commands ------------------------------------------------------------------------------
 
@@ -362,35 +360,17 @@ class LocalSandbox(Sandbox):
         if self.isolation != "bwrap" or self._storage is None:
             raise UserError("local sandbox: a verifier needs isolation='bwrap' (the unisolated mode cannot show "
                             "files at absolute paths such as /tests); install bubblewrap")
-        tops = _verifier_tops(run)
+        tops = verifier.tops(run)
         view = self._storage.host_view(self._storage.verifier_dir)
-        await asyncio.to_thread(self._guard_io, lambda _r, _fd: _stage_verifier(view, tops, run))
+        await asyncio.to_thread(self._guard_io, lambda _r, _fd: verifier.stage(view, tops, run))
         binds = [(posixpath.join(self._fs_root, "workspace"), INSIDE_WORKSPACE)]
         binds += [(posixpath.join(self._storage.verifier_dir, d), inside)
                   for d, inside in (("tmp", "/tmp"), ("home", "/root"), *((t, "/" + t) for t in tops))]
         env = self._command_env({**VERIFIER_PYTHON_ENV, **run.env}, base={})
         result = await self._run(run.command, run.timeout_s, None, env, binds)
-        outputs = await asyncio.to_thread(self._read_outputs, run)
-        return VerifierResult(result, outputs)
-
-    def _read_outputs(self, run: VerifierRun) -> dict[str, bytes]:
-        assert self._storage is not None
-        out_dir = run.output_dir.strip("/")
-        top, _, rest = out_dir.partition("/")
         vdir = self._storage.verifier_dir
-        fd = os.open(self._storage.host_view(vdir), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        outputs = {}
-        try:
-            with as_fs_user(self._identity):
-                for name in run.outputs:
-                    try:
-                        outputs[name] = paths.read_workspace_file(vdir, fd, posixpath.join(rest, name), top=top,
-                                                                  limit=run.max_output_file_bytes)
-                    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
-                        continue
-        finally:
-            os.close(fd)
-        return outputs
+        outputs = await asyncio.to_thread(self._guard_io, lambda _r, _fd: verifier.read_outputs(vdir, view, run))
+        return VerifierResult(result, outputs)
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -460,37 +440,6 @@ def _world_executable(path: str) -> bool:
         path = os.path.dirname(path)
 
 
-def _verifier_tops(run: VerifierRun) -> list[str]:
-    """The top-level folders the verifier's files and outputs live in (``/tests/x`` -> ``tests``)."""
-    tops = set()
-    for path in [*run.files, run.output_dir]:
-        norm = posixpath.normpath(path)
-        top = norm.strip("/").split("/")[0]
-        if not norm.startswith("/") or top in RESERVED_TOPS or top == "..":
-            raise UserError(f"verifier path {path!r} must be absolute under a folder of its own (like /tests or "
-                            f"/logs), not under {', '.join(sorted(t for t in RESERVED_TOPS if t))}")
-        tops.add(top)
-    return sorted(tops)
-
-
-def _stage_verifier(view: str, tops: list[str], run: VerifierRun) -> None:
-    """Empty the verifier's storage, then lay out its fresh home, /tmp, output folder and files."""
-    for name in os.listdir(view):
-        path = os.path.join(view, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            _remove_tree(path)
-        else:
-            os.unlink(path)
-    for d in ("tmp", "home", *tops):
-        os.mkdir(os.path.join(view, d), 0o1777 if d == "tmp" else 0o755)
-    os.makedirs(os.path.join(view, posixpath.normpath(run.output_dir).lstrip("/")), exist_ok=True)
-    for path, content in run.files.items():
-        target = os.path.join(view, posixpath.normpath(path).lstrip("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "wb") as f:
-            f.write(content)
-
-
 async def _off_loop(fn: Callable[[str], None], arg: str) -> None:
     """Cleanup in a worker thread; inline when no thread can be started (a host out of pids must
     still get its sandboxes cleaned up)."""
@@ -512,21 +461,3 @@ def _kill_marked(sandbox_id: str) -> None:
                     os.kill(int(name), 9)
         except (OSError, ProcessLookupError):
             continue
-
-
-def _remove_tree(root: str) -> None:
-    """Delete the sandbox folder, even where a command took away its own folders' permissions."""
-    try:
-        shutil.rmtree(root)
-        return
-    except OSError:
-        pass
-    for dirpath, dirnames, _ in os.walk(root):
-        for name in dirnames:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path):
-                try:
-                    os.chmod(path, stat.S_IRWXU)
-                except OSError:
-                    pass
-    shutil.rmtree(root, ignore_errors=True)

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _restore_excepthook():
+    """torch's init_process_group wraps sys.excepthook (a "[rankN]:" prefix) and never unwraps it. One
+    training process inits once; this suite inits hundreds of groups in one process, and the nested
+    hooks grew deep enough to crash pytest's report of an unrelated failure. Each test starts afresh."""
+    hook = sys.excepthook
+    yield
+    sys.excepthook = hook
 
 
 @pytest.fixture(scope="session")

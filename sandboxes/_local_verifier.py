@@ -1,0 +1,70 @@
+"""The local sandbox's verifier staging: which folders a verifier claims, laying them out from the host
+side in the verifier's own storage, and reading its outputs back.
+
+The verifier's storage is a tmpfs the agent never has bound (``_local_storage``), emptied before
+every run, so nothing the agent did can block, forge or pre-fill it; its outputs are read with the
+same symlink-proof resolution as the workspace (``_local_paths``).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+from miles_agent.errors import UserError
+from miles_agent.sandbox import VerifierRun
+
+from . import _local_paths as paths
+
+# Top-level folders a verifier may not claim: the system's, and the ones the sandbox itself mounts.
+RESERVED_TOPS = frozenset({"", "usr", "etc", "proc", "dev", "sys", "bin", "sbin", "lib", "lib32", "lib64",
+                           "libx32", "workspace", "tmp", "root", "home"})
+
+
+def tops(run: VerifierRun) -> list[str]:
+    """The top-level folders the verifier's files and outputs live in (``/tests/x`` -> ``tests``)."""
+    tops = set()
+    for path in [*run.files, run.output_dir]:
+        norm = posixpath.normpath(path)
+        top = norm.strip("/").split("/")[0]
+        if not norm.startswith("/") or top in RESERVED_TOPS or top == "..":
+            raise UserError(f"verifier path {path!r} must be absolute under a folder of its own (like /tests or "
+                            f"/logs), not under {', '.join(sorted(t for t in RESERVED_TOPS if t))}")
+        tops.add(top)
+    return sorted(tops)
+
+
+def stage(view: str, tops: list[str], run: VerifierRun) -> None:
+    """Empty the verifier's storage, then lay out its fresh home, /tmp, output folder and files."""
+    for name in os.listdir(view):
+        path = os.path.join(view, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            paths.remove_tree(path)
+        else:
+            os.unlink(path)
+    for d in ("tmp", "home", *tops):
+        os.mkdir(os.path.join(view, d), 0o1777 if d == "tmp" else 0o755)
+    os.makedirs(os.path.join(view, posixpath.normpath(run.output_dir).lstrip("/")), exist_ok=True)
+    for path, content in run.files.items():
+        target = os.path.join(view, posixpath.normpath(path).lstrip("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(content)
+
+
+def read_outputs(verifier_dir: str, view: str, run: VerifierRun) -> dict[str, bytes]:
+    """The verifier's outputs that exist (regular files, at most ``max_output_file_bytes`` each), resolved
+    inside its output folder whatever links the verifier left. Call it as the sandbox's fs user."""
+    top, _, rest = run.output_dir.strip("/").partition("/")
+    fd = os.open(view, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    outputs = {}
+    try:
+        for name in run.outputs:
+            try:
+                outputs[name] = paths.read_workspace_file(verifier_dir, fd, posixpath.join(rest, name), top=top,
+                                                          limit=run.max_output_file_bytes)
+            except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
+                continue
+    finally:
+        os.close(fd)
+    return outputs
