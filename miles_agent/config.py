@@ -323,8 +323,8 @@ def _renamed(key: str, value: Any) -> Any:
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(tp):
-        return typed(tp, value, where)
+    if dataclasses.is_dataclass(tp):  # an instance already built (a dict of typed overrides) is kept
+        return value if isinstance(value, tp) else typed(tp, value, where)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:

@@ -53,6 +53,8 @@ def test_valid_options_reach_the_backend_typed():
     assert (sb.isolation, sb._extra_ro_binds) == ("none", ("/opt",))
     docker = sandbox_factory("docker", {"ttl_s": 5, "retry": {"attempts": 2}})()
     assert (docker.ttl_s, docker.retry.attempts) == (5.0, 2)  # a mapping becomes the RetryPolicy
+    policy = type(docker.retry)(attempts=1)
+    assert sandbox_factory("docker", {"retry": policy})().retry is policy  # one already built is kept
     assert sandbox_factory("local", {}) is registry.load("sandboxes", "local")
 
 
