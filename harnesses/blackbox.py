@@ -83,6 +83,7 @@ class EnvTools:
 class BlackBoxHarness(Harness):
     name = "black-box"
     description = "Any agent program (command or async function) playing through the OpenAI-compatible proxy."
+    env_keys = ("agent", "agent_timeout_s")
 
     def __init__(self, tokenizer: Any, limits: HarnessLimits, sampling: SamplingParams, *,
                  agent: str | AgentFn = "", agent_timeout_s: float = 600.0) -> None:

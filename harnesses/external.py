@@ -23,6 +23,7 @@ from miles_agent.types import Trajectory
 class ExternalHarness(BlackBoxHarness):
     name = "external"
     description = "The environment package's own agent loop (Verifiers, OpenEnv, Harbor ...) through the proxy."
+    env_keys = ("agent_timeout_s",)  # the agent is the package's own
 
     def __init__(self, tokenizer: Any, limits: HarnessLimits, sampling: SamplingParams, *,
                  agent_timeout_s: float = 600.0) -> None:

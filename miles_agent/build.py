@@ -4,19 +4,21 @@ sandboxes.
 RL (loop.py), SFT, distillation, warm start, eval and replay all start here rather than from one
 another, and reach plug-ins only through the registry. `check_choices` runs first: every key that
 picks something (a plug-in name, an algorithm, a mode) is checked before any model loads or actor
-starts, so a typo costs a second, not a model load.
+starts, so a typo costs a second, not a model load. So are the plug-ins' own options: each declares what
+it takes (a sandbox its ``options_type``, an environment or harness its ``env_keys``); nothing is read
+off a constructor's signature.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from miles_agent import registry
-from miles_agent.config import Config
+from miles_agent.config import Config, EnvConfig, closest, typed
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import Environment, HarnessLimits
 from miles_agent.errors import UserError
@@ -42,9 +44,12 @@ def check_choices(cfg: Config) -> None:
         distill.check_mode(cfg.algo.distill_mode)
     parse_sinks(cfg.run.sinks)
     offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
-    registry.load("envs", cfg.env.name, key="env.name")
-    if cfg.env.harness:
-        registry.load("harnesses", cfg.env.harness, key="env.harness")
+    env = registry.load("envs", cfg.env.name, key="env.name")
+    env_keys(f"environment {cfg.env.name!r}", env)
+    harness = harness_name(cfg, env)
+    env_keys(f"harness {harness!r}", registry.load("harnesses", harness, key="env.harness"))
+    if getattr(env, "needs_sandbox", True):  # as env_sandboxes; a module:attr factory's env may need one
+        sandbox_factory(cfg.env.sandbox, cfg.env.sandbox_options)
     registry.load("trainers", cfg.train.backend, key="train.backend")
     registry.load("engines", cfg.rollout.engine, key="rollout.engine")
     cluster = registry.load("clusters", cfg.cluster.mode, key="cluster.mode")
@@ -54,9 +59,7 @@ def check_choices(cfg: Config) -> None:
 
 def build_env(cfg: Config) -> Environment:
     cls = registry.load("envs", cfg.env.name, key="env.name")
-    kwargs: dict[str, Any] = {}
-    if "sandbox" in inspect.signature(cls).parameters:  # environments that route tasks by sandbox backend
-        kwargs["sandbox"] = cfg.env.sandbox
+    kwargs: dict[str, Any] = {k: getattr(cfg.env, k) for k in env_keys(f"environment {cfg.env.name!r}", cls)}
     if cfg.env.tasks:
         if not Path(cfg.env.tasks).is_dir():
             raise UserError(f"--tasks {cfg.env.tasks} is not a folder; point it at a folder of task directories")
@@ -67,34 +70,60 @@ def build_env(cfg: Config) -> Environment:
         raise UserError(f"environment {cfg.env.name!r} cannot be built with {kwargs or 'no arguments'} ({e})") from None
 
 
+def harness_name(cfg: Config, env: Environment | type[Environment]) -> str:
+    """``env.harness``, else the environment's ``default_harness`` (a class attribute: known before it is built)."""
+    return cfg.env.harness or getattr(env, "default_harness", DEFAULT_HARNESS)
+
+
 def build_harness(cfg: Config, env: Environment, tokenizer: Any) -> Any:
-    name = cfg.env.harness or getattr(env, "default_harness", DEFAULT_HARNESS)
+    name = harness_name(cfg, env)
     limits = HarnessLimits(max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
                            max_new_tokens_per_turn=cfg.env.max_new_tokens_per_turn,
                            max_observation_tokens=cfg.env.max_observation_tokens)
     sampling = SamplingParams(max_new_tokens=cfg.env.max_new_tokens_per_turn, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     cls = registry.load("harnesses", name, key="env.harness")
-    params = inspect.signature(cls).parameters
-    agent = {k: getattr(cfg.env, k) for k in ("agent", "agent_timeout_s") if k in params}  # the black-box harness
-    return cls(tokenizer, limits, sampling, **agent)
+    keys = {k: getattr(cfg.env, k) for k in env_keys(f"harness {name!r}", cls)}
+    return cls(tokenizer, limits, sampling, **keys)
 
 
-def sandbox_factory(name: str, options: dict[str, Any] | None = None) -> Callable[[], Any]:
+def env_keys(plugin: str, cls: Any) -> tuple[str, ...]:
+    """The ``env.*`` keys ``cls`` declares it takes (its ``env_keys``), each checked to be one."""
+    keys = tuple(getattr(cls, "env_keys", ()))  # a module:attr factory need not subclass the base
+    valid = [f.name for f in dataclasses.fields(EnvConfig)]
+    for key in keys:
+        if key not in valid:
+            close = closest(key, valid)
+            raise UserError(f"{plugin} declares env_keys {key!r}, which is not an env.* config key"
+                            f"{f'; did you mean {close!r}?' if close else ''} (valid: {', '.join(valid)})")
+    return keys
+
+
+def plugin_options(options_type: type, given: Mapping[str, Any], *, key: str, plugin: str, docs: str) -> Any:
+    """``given`` as the plug-in's typed options (a dataclass): an unknown key or a wrong type is a
+    UserError naming ``key`` (the config key holding them) and ``plugin``, with the valid keys."""
+    valid = [f.name for f in dataclasses.fields(options_type)]
+    for name in given:
+        if name not in valid:
+            close = closest(name, valid)
+            raise UserError(f"{key}: {name} not accepted by the {plugin}; valid options: {', '.join(valid)}"
+                            f"{f'; did you mean {close!r}?' if close else ''} (see {docs})")
+    return typed(options_type, dict(given), key)
+
+
+def sandbox_factory(name: str, options: Mapping[str, Any] | None = None) -> Callable[[], Any]:
     """The backend ``name`` as a zero-argument factory with ``options`` (``env.sandbox_options``) bound,
-    checked against its constructor now so that a typo fails at startup, not in the first episode."""
+    checked against its ``options_type`` now (check_choices) so that a typo fails before any model loads."""
     cls = registry.load("sandboxes", name, key="env.sandbox")
     if not options:
         return cls
-    # RemoteSandbox options (ttl_s, retry) arrive through **kwargs: look at the whole class chain.
-    known = {n for c in getattr(cls, "__mro__", [cls]) if "__init__" in vars(c)
-             for n, p in inspect.signature(vars(c)["__init__"]).parameters.items()
-             if n != "self" and p.kind is p.KEYWORD_ONLY}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise UserError(f"env.sandbox_options: {', '.join(unknown)} not accepted by the {name!r} sandbox; "
-                        f"valid options: {', '.join(sorted(known - {'sleep', 'sdk'}))} (see docs/sandboxes.md)")
-    return functools.partial(cls, **options)
+    options_type = getattr(cls, "options_type", None)
+    if options_type is None:  # a backend that declares no options: they reach its constructor unchecked
+        return functools.partial(cls, **options)
+    opts = plugin_options(options_type, options, key="env.sandbox_options", plugin=f"{name!r} sandbox",
+                          docs="docs/sandboxes.md")
+    # Shallow: a nested dataclass option (RetryPolicy) reaches the constructor as itself.
+    return functools.partial(cls, **{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)})
 
 
 def env_sandboxes(cfg: Config, env: Environment) -> Callable[[], Any] | None:

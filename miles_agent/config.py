@@ -14,6 +14,7 @@ import functools
 import logging
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,8 +276,8 @@ def load_config(recipe: str | None = None, overrides: list[str] | dict[str, Any]
             raise UserError(f"recipe section {section!r} must be a mapping")
         data[section][name] = value
     sections = section_types()
-    given = {k: _build(sections[k], data.pop(k), k) for k in list(data) if k in sections}
-    return dataclasses.replace(_build(Config, data, "", extra=list(sections)), sections=given)
+    given = {k: typed(sections[k], data.pop(k), k) for k in list(data) if k in sections}
+    return dataclasses.replace(typed(Config, data, "", extra=list(sections)), sections=given)
 
 
 def _split_override(text: str) -> tuple[str, Any]:
@@ -286,8 +287,16 @@ def _split_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(value) if value.strip() else ""
 
 
-def _build(cls: type, data: Any, where: str, extra: list[str] | None = None) -> Any:
-    """``cls`` from a mapping; ``extra``: the names also valid here (plug-in sections, at the root)."""
+def closest(key: str, names: Sequence[str]) -> str | None:
+    """The name in ``names`` that ``key`` was most likely meant to be, for a "did you mean" hint."""
+    close = difflib.get_close_matches(key, names, n=1)
+    return close[0] if close else None
+
+
+def typed(cls: type, data: Any, where: str, extra: list[str] | None = None) -> Any:
+    """The dataclass ``cls`` from a mapping, each value coerced to its field's type (config sections and
+    plug-in options alike); ``where``: the key the mapping sits under, named in errors; ``extra``: the
+    names also valid here (plug-in sections, at the root)."""
     if not isinstance(data, dict):
         raise UserError(f"config section {where or 'root'!r} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -296,8 +305,8 @@ def _build(cls: type, data: Any, where: str, extra: list[str] | None = None) -> 
     for key, value in data.items():
         full = f"{where}.{key}" if where else key
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {(where + '.' if where else '') + close[0]!r}?" if close else \
+            close = closest(key, names)
+            hint = f"; did you mean {(where + '.' if where else '') + close!r}?" if close else \
                 f"; valid keys: {', '.join(names)}"
             raise UserError(f"unknown config key {full!r}{hint}")
         kwargs[key] = _renamed(full, _coerce(hints[key], value, full))
@@ -314,8 +323,8 @@ def _renamed(key: str, value: Any) -> Any:
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
+    if dataclasses.is_dataclass(tp):  # an instance already built (a dict of typed overrides) is kept
+        return value if isinstance(value, tp) else typed(tp, value, where)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -329,6 +338,10 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             except UserError as e:
                 errors.append(str(e))
         raise UserError(errors[0])
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[str, ...]
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"config key {where!r} must be a list, got {value!r}")
+        return tuple(_coerce(args[0], v, where) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise UserError(f"config key {where!r} must be a list of {len(args)} values, got {value!r}")

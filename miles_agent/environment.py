@@ -60,6 +60,9 @@ class Environment(ABC):
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     needs_sandbox: ClassVar[bool] = False
+    #: ``env.*`` config keys the constructor takes as keywords of the same name (terminal-bench: "sandbox");
+    #: declared rather than read off the signature, and checked by the build step before any model loads.
+    env_keys: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def tasks(self, split: str = "train") -> list[Task]: ...
@@ -87,6 +90,9 @@ class Harness(ABC):
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    #: ``env.*`` config keys the constructor takes as keywords after (tokenizer, limits, sampling),
+    #: e.g. the black-box harness's ("agent", "agent_timeout_s"); checked like `Environment.env_keys`.
+    env_keys: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     async def run(self, task: Task, session: EnvSession, policy: Policy) -> list[Trajectory]: ...

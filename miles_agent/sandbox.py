@@ -13,6 +13,7 @@ import posixpath
 import shlex
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from miles_agent.errors import InfraError
 
@@ -94,6 +95,9 @@ class Sandbox(ABC):
 
     name: str = "abstract"
     description: str = ""
+    #: The backend's ``env.sandbox_options``: a frozen dataclass whose fields are constructor keywords.
+    #: The build step checks the options against it before any model loads; None: passed unchecked.
+    options_type: ClassVar[type | None] = None
 
     @abstractmethod
     async def start(self, spec: SandboxSpec) -> None: ...

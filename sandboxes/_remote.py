@@ -55,6 +55,14 @@ class RetryPolicy:
         return (rng or random).uniform(0, cap)
 
 
+@dataclass(frozen=True)
+class RemoteSandboxOptions:
+    """The options every remote backend takes (its own options dataclass extends this one)."""
+
+    ttl_s: float | None = None
+    retry: RetryPolicy | None = None  # from the config as a mapping: {"attempts": 3}
+
+
 class RetryableError(Exception):
     """Raised by a backend hook to ask for a retry (``kind``: "rate_limit" or "transient")."""
 

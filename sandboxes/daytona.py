@@ -22,12 +22,13 @@ import os
 import shlex
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from miles_agent.errors import require
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxSpec
 
-from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox
+from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox, RemoteSandboxOptions
 
 LABELS = {"miles-agent": "sandbox"}
 BACKSTOP_S = 5
@@ -56,12 +57,24 @@ def unwrap(output: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@dataclass(frozen=True)
+class DaytonaSandboxOptions(RemoteSandboxOptions):
+    """``env.sandbox_options`` of the daytona backend: DaytonaSandbox's keywords, typed."""
+
+    api_key: str | None = None
+    api_url: str | None = None
+    target: str | None = None
+    snapshot: str | None = None
+    network: bool = False
+
+
 class DaytonaSandbox(RemoteSandbox):
     """A Daytona sandbox per episode; ttl_minutes / auto-stop / auto-delete are the TTL."""
 
     name = "daytona"
     description = "a Daytona cloud sandbox per episode; ttl_minutes + auto-stop/auto-delete are the TTL"
     auth_hint = "set DAYTONA_API_KEY to a valid key (and DAYTONA_API_URL for a self-hosted Daytona)"
+    options_type: ClassVar[type] = DaytonaSandboxOptions
 
     def __init__(self, *, api_key: str | None = None, api_url: str | None = None, target: str | None = None,
                  snapshot: str | None = None, network: bool = False, **kwargs: Any) -> None:

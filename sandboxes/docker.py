@@ -38,12 +38,13 @@ import posixpath
 import tarfile
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from miles_agent.errors import require
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxLimits, SandboxSpec
 
-from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox
+from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox, RemoteSandboxOptions
 
 LABEL = "miles-agent.sandbox"
 EXPIRES_LABEL = "miles-agent.expires-at"
@@ -70,6 +71,18 @@ def connect(base_url: str | None = None, timeout_s: float = 60.0):  # noqa: ANN2
                            "DOCKER_HOST (or the sandbox's base_url) to a reachable engine") from e
 
 
+@dataclass(frozen=True)
+class DockerSandboxOptions(RemoteSandboxOptions):
+    """``env.sandbox_options`` of the docker backend: DockerSandbox's keywords, typed."""
+
+    base_url: str | None = None
+    image: str = DEFAULT_IMAGE
+    network: bool = False
+    cpus: float | None = None
+    tmp_bytes: int = DEFAULT_TMP_BYTES
+    api_timeout_s: float = 60.0
+
+
 class DockerSandbox(RemoteSandbox):
     """One container per episode: no new privileges, few capabilities, memory/pids/nofile/CPU/tmp limits,
     no network, no host mounts, a TTL and a reaper label."""
@@ -77,6 +90,7 @@ class DockerSandbox(RemoteSandbox):
     name = "docker"
     description = "a Docker container per episode (Docker Engine API): limits, no network, TTL auto-removal"
     auth_hint = "check DOCKER_HOST and that this user may use the Docker engine (the docker group)"
+    options_type: ClassVar[type] = DockerSandboxOptions
 
     def __init__(self, *, base_url: str | None = None, image: str = DEFAULT_IMAGE, network: bool = False,
                  cpus: float | None = None, tmp_bytes: int = DEFAULT_TMP_BYTES, api_timeout_s: float = 60.0, **kwargs: Any) -> None:

@@ -16,12 +16,13 @@ import os
 import shlex
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from miles_agent.errors import require
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxSpec
 
-from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox
+from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox, RemoteSandboxOptions
 
 METADATA = {"miles-agent": "sandbox"}
 KILLED_BY_SIGNAL = -1
@@ -32,12 +33,25 @@ def _e2b():  # noqa: ANN202 - the module
     return require("e2b", "e2b", "the e2b sandbox")
 
 
+@dataclass(frozen=True)
+class E2BSandboxOptions(RemoteSandboxOptions):
+    """``env.sandbox_options`` of the e2b backend: E2BSandbox's keywords, typed."""
+
+    api_key: str | None = None
+    template: str = "base"
+    api_url: str | None = None
+    sandbox_url: str | None = None
+    http_version: str | None = None
+    allow_internet_access: bool = False
+
+
 class E2BSandbox(RemoteSandbox):
     """An E2B cloud sandbox per episode; E2B's sandbox timeout is the TTL."""
 
     name = "e2b"
     description = "an E2B cloud sandbox (microVM) per episode; E2B's sandbox timeout is the TTL"
     auth_hint = "set E2B_API_KEY to a valid key (https://e2b.dev/dashboard)"
+    options_type: ClassVar[type] = E2BSandboxOptions
 
     def __init__(self, *, api_key: str | None = None, template: str = "base", api_url: str | None = None,
                  sandbox_url: str | None = None, http_version: str | None = None,

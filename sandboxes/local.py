@@ -40,7 +40,8 @@ import stat
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 from miles_agent.errors import UserError
 from miles_agent.sandbox import (
@@ -97,11 +98,27 @@ LIMITS_ON_INIT = True  # rlimits onto the namespace init (see _local_run); False
 LIMITS_AS_OWNER = os.geteuid() == 0 and not _has_cap_sys_resource()
 
 
+@dataclass(frozen=True)
+class LocalSandboxOptions:
+    """``env.sandbox_options`` of the local backend: LocalSandbox's keywords, typed (see its docstring)."""
+
+    isolation: str = "bwrap"
+    bwrap_path: str | None = None
+    root_dir: str | None = None
+    use_cgroups: bool = True
+    output_kill_bytes: int | None = None
+    extra_ro_binds: tuple[str, ...] = ()
+    sandbox_uid: int | None = None
+    verifier_disk_bytes: int = 512 << 20
+    verifier_disk_inodes: int = 65536
+
+
 class LocalSandbox(Sandbox):
     """Commands isolated with bubblewrap in a private workspace: no network, limits, nothing left running."""
 
     name = "local"
     description = "bubblewrap-isolated commands in a private per-episode workspace (no network, rlimits, quota)"
+    options_type: ClassVar[type] = LocalSandboxOptions
 
     def __init__(self, *, isolation: str = "bwrap", bwrap_path: str | None = None,
                  root_dir: str | None = None, use_cgroups: bool = True,

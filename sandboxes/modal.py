@@ -16,15 +16,26 @@ from __future__ import annotations
 import math
 import posixpath
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from miles_agent.errors import require
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxSpec
 
-from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox
+from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox, RemoteSandboxOptions
 
 BACKSTOP_S = 5
 TAGS = {"miles-agent": "sandbox"}
+
+
+@dataclass(frozen=True)
+class ModalSandboxOptions(RemoteSandboxOptions):
+    """``env.sandbox_options`` of the modal backend: ModalSandbox's keywords, typed (``sdk`` is for tests)."""
+
+    app_name: str = "miles-agent"
+    image: str = "python:3.12-slim"
+    network: bool = False
+    cpu: float | None = None
 
 
 class ModalSandbox(RemoteSandbox):
@@ -33,6 +44,7 @@ class ModalSandbox(RemoteSandbox):
     name = "modal"
     description = "a Modal sandbox per episode (gRPC via the modal SDK); Modal's sandbox timeout is the TTL"
     auth_hint = "run `modal token new` or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET"
+    options_type: ClassVar[type] = ModalSandboxOptions
 
     def __init__(self, *, app_name: str = "miles-agent", image: str = "python:3.12-slim", network: bool = False,
                  cpu: float | None = None, sdk: Any = None, **kwargs: Any) -> None:

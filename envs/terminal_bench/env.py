@@ -235,6 +235,7 @@ class TerminalBenchEnv(Environment):
     description: ClassVar[str] = "Shell tasks in Harbor format: one bash tool in a sandbox, scored by the task's test.sh"
     needs_sandbox: ClassVar[bool] = True
     default_harness: ClassVar[str] = "terminal"  # the Terminus-style loop, which drives the bash tool
+    env_keys: ClassVar[tuple[str, ...]] = ("sandbox",)  # which backend runs the tasks (see `excluded`)
 
     def __init__(self, tasks_dir: str | Path | None = None, *, sandbox: str = "local",
                  command_timeout_s: float = 60.0, max_output_chars: int = 8000) -> None:

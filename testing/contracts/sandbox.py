@@ -8,6 +8,7 @@ here: local, containers on a local engine); a remote backend overrides it with i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -100,3 +101,15 @@ class SandboxContract:
                 return (await second.exec("test -e secret.txt")).exit_code
 
         assert asyncio.run(run()) != 0, "one sandbox sees another's workspace"
+
+    def test_options_type_fields_are_constructor_keywords(self, make_sandbox) -> None:
+        """The build step turns ``env.sandbox_options`` into ``options_type`` and passes its fields as keywords."""
+        cls = type(make_sandbox())
+        options = getattr(cls, "options_type", None)
+        if options is None:
+            pytest.skip("no options_type: env.sandbox_options reach the constructor unchecked")
+        defaults = options()
+        try:
+            cls(**{f.name: getattr(defaults, f.name) for f in dataclasses.fields(options)})
+        except TypeError as e:
+            raise AssertionError(f"{options.__name__} has a field {cls.__name__}() does not take: {e}") from None

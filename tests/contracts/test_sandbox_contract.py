@@ -65,3 +65,19 @@ def test_broken_sandboxes_fail_the_contract():
                 p.wait()
     with pytest.raises(AssertionError):
         contract.test_exec_returns_exit_code_stdout_and_stderr(MergesStreams)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TooManyOptions(local.LocalSandboxOptions):
+    colour: str = "blue"
+
+
+class OptionsOutOfStep(local.LocalSandbox):
+    """Declares an option its constructor does not take."""
+
+    options_type = _TooManyOptions
+
+
+def test_options_out_of_step_with_the_constructor_fail_the_contract():
+    with pytest.raises(AssertionError, match="_TooManyOptions has a field OptionsOutOfStep.. does not take"):
+        SandboxContract().test_options_type_fields_are_constructor_keywords(OptionsOutOfStep)
