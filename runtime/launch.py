@@ -2,7 +2,7 @@
 
 `RayCluster` is the ``ray`` entry point of the ``miles_agent.clusters`` group. The run builds one per
 config and calls trainer, engines, transport in order; all three share the cluster's `RaySession` (its
-placement group), which the trainer's ``close`` releases.
+placement group), which the trainer group's ``close`` releases (its ``on_close``).
 """
 
 from __future__ import annotations
@@ -34,24 +34,6 @@ class RaySession:
             import ray
 
             ray.shutdown()
-
-
-class _ClosingTrainer:
-    """The trainer group, whose ``close`` also frees the run's placement (and Ray, if this run started it)."""
-
-    def __init__(self, group: Any, sess: RaySession) -> None:
-        self._group, self._session = group, sess
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._group, name)
-
-    def close(self) -> None:
-        try:
-            self._group.close()
-        finally:
-            if self._session.engines is not None:
-                self._session.engines.kill()
-            self._session.close()
 
 
 class ObjectStoreTransport:
@@ -111,11 +93,15 @@ class RayCluster:
             if cfg.cluster.colocate and sess.engines is not None:
                 sess.engines.release_memory()
 
-        group = RayTrainerGroup(model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature,
-                                device=cfg.model.device, options=sess.placement.trainer_options,
-                                loopback=sess.loopback, before_train=before_train, extra=trainer_extra(cfg),
-                                offload=offload)
-        sess.trainer = _ClosingTrainer(group, sess)
+        def release_session() -> None:  # after the ranks: the engines, the placement (and Ray, if ours)
+            if sess.engines is not None:
+                sess.engines.kill()
+            sess.close()
+
+        sess.trainer = RayTrainerGroup(model, tokenizer, cfg.train, cfg.algo, temperature=cfg.rollout.temperature,
+                                       device=cfg.model.device, options=sess.placement.trainer_options,
+                                       loopback=sess.loopback, before_train=before_train, extra=trainer_extra(cfg),
+                                       offload=offload, on_close=release_session)
         return sess.trainer
 
     def engines(self, model: Any, tokenizer: Any) -> list[Any]:

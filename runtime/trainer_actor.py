@@ -4,8 +4,15 @@ Each actor sets the torch.distributed env (``RANK``, ``WORLD_SIZE``, ``MASTER_AD
 from rank 0's node, ``LOCAL_RANK=0`` since Ray gives each actor its own visible GPUs) and builds the
 configured trainer backend, which joins the group: gloo on CPU, NCCL on GPU. The driver calls every
 method on all ranks (they are collectives), passes the batch once through the object store, and takes
-rank 0's answer: its metrics, its gathered full weights for weight sync. Checkpoints are written by
-all ranks (DCP shards) into the run folder, which must be shared when ranks sit on several nodes.
+rank 0's answer: its metrics, its logprob rows (every rank computes every row, in the caller's order, as
+one process would), its gathered full weights for weight sync. Checkpoints are written by all ranks (DCP
+shards) into the run folder, which must be shared when ranks sit on several nodes.
+
+The group is the whole `miles_agent.trainer.Trainer` as the driver sees it: ``rank`` 0 (the driver
+speaks for rank 0), ``device`` cpu (the driver computes nothing; what it hands back, the weights
+included, are host tensors; each rank's own device is in ``rank_devices``), and ``on_micro_batch``
+called once per step with rank 0's final (done, total) when the step returns (the ranks run in other
+processes, so the live view sees the step's micro-batches at its end, not one by one).
 
 A rank that dies ends the run with `RunAborted`: the last checkpoint is whole (checkpoints are
 written to a temp folder and renamed), so ``--resume`` continues from it.
@@ -13,9 +20,10 @@ written to a temp folder and renamed), so ``--resume`` continues from it.
 Offload (``train.offload``, on by default with ``cluster.colocate``): the ranks hold their device only
 from a train step to the weight gather that follows it. Each rank offloads its parameters, gradients and
 optimizer state to host memory right after it is built and right after every gather (the engines take
-the device to generate), and reloads them when a call needs them: the train step (which the driver
-starts only after the engines released their memory), a checkpoint save or load, ``save_hf``. Calls
-other than the train step offload again when they are done.
+the device to generate), and reloads them when a call needs them: the logprob passes of the batch
+builder and the train step (the driver starts either only after the engines released their memory), a
+checkpoint save or load, ``save_hf``. The logprob passes keep the state resident for the train step
+that follows them (it reports their reload); other calls offload again when they are done.
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from miles_agent.errors import RunAborted
 from miles_agent.trainer import TrainBatch
+from miles_agent.types import Trajectory
 
 
 class TrainerActor:
@@ -47,6 +56,8 @@ class TrainerActor:
         self.broadcaster_options: dict[str, Any] = {}
         self.staging: list[Any] = []  # host buffers reused by every pack of the full weights
         self.pushed_version: int | None = None  # the weights are still this broadcast version (None: changed)
+        self.reloaded: dict[str, float] | None = None  # a logprob pass's reload, reported by the next train step
+        self.micro_batches = (0, 0)  # this step's (done, total), as the trainer reported it
 
     def address(self, loopback: bool) -> tuple[str, int]:
         """Rank 0 names the rendezvous: its node's address and a free port there."""
@@ -59,7 +70,7 @@ class TrainerActor:
 
     def setup(self, rank: int, world_size: int, master: tuple[str, int], backend: str, model: Any, tokenizer: Any,
               train_cfg: Any, algo_cfg: Any, temperature: float, device: str, extra: dict[str, Any],
-              offload: bool = False) -> int:
+              offload: bool = False) -> tuple[int, str]:
         import torch
 
         from miles_agent import registry
@@ -71,16 +82,35 @@ class TrainerActor:
                                                           temperature=temperature, device=device, **extra)
         self.offload = offload
         self._release()  # the engines generate first
-        return os.getpid()
+        return os.getpid(), str(self.trainer.device)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        moved = self._resident()
-        self.pushed_version = None
-        metrics = self.trainer.train_step(batch)
+    def train_step(self, batch: TrainBatch) -> tuple[dict[str, float], tuple[int, int]]:
+        """The step's metrics and its micro-batches (done, total) as the trainer reported them."""
+        moved = self._resident() or self.reloaded
+        self.reloaded = self.pushed_version = None
+        self.micro_batches = (0, 0)
+        self.trainer.on_micro_batch = self._micro_batch_done
+        try:
+            metrics = self.trainer.train_step(batch)
+        finally:
+            self.trainer.on_micro_batch = None
         self._note("train_step")
         if moved:  # stays resident: the weight gather comes next
             metrics = {**metrics, "reload_s": moved["reload_s"], "offload_gib": moved["reload_bytes"] / 2**30}
-        return metrics
+        return metrics, self.micro_batches
+
+    def _micro_batch_done(self, done: int, total: int) -> None:
+        self.micro_batches = (done, total)
+
+    def compute_logprobs(self, trajectories: list[Any], reference: bool) -> list[list[float]] | None:
+        """A collective: every rank computes every row; rank 0 returns them, the others None. The state
+        stays resident: the batch builder calls this right before the train step."""
+        moved = self._resident()
+        if moved:
+            self.reloaded = moved
+        rows = self.trainer.compute_logprobs(trajectories, reference=reference)
+        self._note("compute_logprobs")
+        return rows if self.trainer.rank == 0 else None
 
     def full_weights(self) -> Any:
         """A collective: every rank gathers; rank 0 returns a host copy (`PackedWeights`), the others None.
@@ -196,27 +226,35 @@ class TrainerActor:
 class RayTrainerGroup:
     """The `Trainer` contract over ``world_size`` rank actors (see module docstring).
 
-    ``options(rank)`` gives each actor's Ray options (placement); ``before_train`` runs before every
-    step (colocation: the engines release the device, then the ranks reload); ``offload`` makes the
-    ranks give their device back between steps (see the module docstring)."""
+    ``options(rank)`` gives each actor's Ray options (placement); ``before_train`` runs once before each
+    step's first call that computes on the ranks, a logprob pass or the train step (colocation: the
+    engines release the device, then the ranks reload); ``offload`` makes the ranks give their device
+    back between steps (see the module docstring); ``on_close`` runs after the ranks are gone."""
 
     def __init__(self, model: Any, tokenizer: Any, train_cfg: Any, algo_cfg: Any, *, temperature: float,
                  device: str, options: Callable[[int], dict[str, Any]], loopback: bool = True,
                  before_train: Callable[[], None] | None = None, extra: dict[str, Any] | None = None,
-                 offload: bool = False) -> None:
+                 offload: bool = False, on_close: Callable[[], None] | None = None) -> None:
         import ray
+        import torch
 
         n = train_cfg.world_size
         cls = ray.remote(max_restarts=0)(TrainerActor)
         self.actors = [cls.options(**options(r)).remote() for r in range(n)]
-        self.before_train = before_train
-        self.rank = 0
+        self.before_train, self.on_close = before_train, on_close
+        self.rank = 0  # the driver speaks for rank 0
+        self.device = torch.device("cpu")  # the driver's side: host tensors only (see the module docstring)
+        self.on_micro_batch: Callable[[int, int], None] | None = None
         self._submit = threading.Lock()
+        self._prepared = False  # before_train has run, and only logprob passes since
+        self._closed = False
         master = self._all([self.actors[0].address.remote(loopback)])[0]
         model_ref, tok_ref = ray.put(model.to("cpu")), ray.put(tokenizer)
-        self.pids = self._all([a.setup.remote(r, n, master, train_cfg.backend, model_ref, tok_ref, train_cfg,
-                                              algo_cfg, temperature, device, extra or {}, offload)
-                                   for r, a in enumerate(self.actors)])
+        ranks = self._all([a.setup.remote(r, n, master, train_cfg.backend, model_ref, tok_ref, train_cfg,
+                                          algo_cfg, temperature, device, extra or {}, offload)
+                           for r, a in enumerate(self.actors)])
+        self.pids = [pid for pid, _ in ranks]
+        self.rank_devices = [torch.device(d) for _, d in ranks]  # each as its own process names it
 
     def _on_ranks(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank and wait. Submitted under a lock: two driver threads (the step in
@@ -224,6 +262,8 @@ class RayTrainerGroup:
         the ranks would enter different collectives."""
         with self._submit:
             refs = [getattr(a, method).remote(*args) for a in self.actors]
+            # prepared stays true only from a logprob pass to the next call (the train step, normally)
+            self._prepared = self._prepared and method == "compute_logprobs"
         return self._all(refs)
 
     def _all(self, refs: list[Any]) -> list[Any]:
@@ -244,12 +284,27 @@ class RayTrainerGroup:
             raise RunAborted(f"a trainer rank died ({type(e).__name__}: {str(e).splitlines()[0][:200]}); the last "
                              "checkpoint in <run_dir>/checkpoints is whole: rerun with --resume to continue") from None
 
+    def _prepare(self) -> None:
+        if self.before_train is not None and not self._prepared:
+            self.before_train()
+        self._prepared = True
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         import ray
 
-        if self.before_train is not None:
-            self.before_train()
-        return self._on_ranks("train_step", ray.put(batch))[0]
+        self._prepare()
+        metrics, (done, total) = self._on_ranks("train_step", ray.put(batch))[0]
+        if self.on_micro_batch is not None and total:
+            self.on_micro_batch(done, total)
+        return metrics
+
+    def compute_logprobs(self, trajectories: Sequence[Trajectory], reference: bool = False) -> list[list[float]]:
+        """Rank 0's rows: one per trajectory, in order, as one process computes them (every rank computes
+        all of them; the trajectories go to the ranks once through the object store)."""
+        import ray
+
+        self._prepare()
+        return self._on_ranks("compute_logprobs", ray.put(list(trajectories)), reference)[0]
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """Lazy: the ranks gather (and, with offload, free their device) when the first tensor is read, so
@@ -294,11 +349,18 @@ class RayTrainerGroup:
     def close(self) -> None:
         import ray
 
+        if self._closed:
+            return
+        self._closed = True
         try:
-            ray.get([a.close.remote() for a in self.actors], timeout=30)
-        except Exception:  # noqa: BLE001 - closing after a failure: the actors go anyway
-            pass
-        self._kill()
+            try:
+                ray.get([a.close.remote() for a in self.actors], timeout=30)
+            except Exception:  # noqa: BLE001 - closing after a failure: the actors go anyway
+                pass
+            self._kill()
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
     def _kill(self) -> None:
         import ray

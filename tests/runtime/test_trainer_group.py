@@ -1,4 +1,5 @@
-"""Two FSDP2 ranks as Ray actors (gloo on loopback) take the same step as one in-process rank."""
+"""Two FSDP2 ranks as Ray actors (gloo on loopback) compute the same logprobs and take the same step as one
+in-process rank."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def test_two_ray_ranks_match_one_in_process_rank(ray_session, tmp_path: Path):
                             options=lambda rank: {"num_cpus": 1})
     try:
         assert len(set(group.pids)) == 2
+        # logprob passes: rank 0's rows, one per trajectory in order, before the step changes the policy
+        lp2, ref2 = group.compute_logprobs(make_batch().trajectories), \
+            group.compute_logprobs(make_batch().trajectories, reference=True)
         m2 = group.train_step(make_batch())
         w2 = dict(group.named_weights())
         group.save_checkpoint(tmp_path / "ckpt")  # every rank writes its shards into one whole checkpoint
@@ -55,6 +59,11 @@ def test_two_ray_ranks_match_one_in_process_rank(ray_session, tmp_path: Path):
         group.close()
     one = FSDP2Trainer(model, tok, train_cfg(1), ALGO)
     try:
+        for rows2, rows1 in ((lp2, one.compute_logprobs(make_batch().trajectories)),
+                             (ref2, one.compute_logprobs(make_batch().trajectories, reference=True))):
+            assert [len(r) for r in rows2] == [t.response_length for t in make_batch().trajectories]
+            for r2, r1 in zip(rows2, rows1):
+                assert r2 == pytest.approx(r1, abs=1e-6)
         m1 = one.train_step(make_batch())
         w1 = dict(one.named_weights())
         assert abs(m2["loss"] - m1["loss"]) < 1e-6
