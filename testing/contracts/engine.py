@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from miles_agent.engine import Completion, FinishReason, RolloutEngine, SamplingParams
+from miles_agent.testing.contracts._fixtures import fixture_missing
 
 PROMPT = [12, 40, 41, 42, 7, 19]
 
@@ -28,7 +29,7 @@ def generate(engine: RolloutEngine, sampling: SamplingParams, prompt: list[int] 
 class EngineContract:
     @pytest.fixture
     def engine(self) -> RolloutEngine:
-        raise NotImplementedError("an EngineContract subclass provides the engine fixture")
+        fixture_missing("EngineContract", "engine", "a rollout engine to generate with")
 
     @pytest.fixture
     def engine_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

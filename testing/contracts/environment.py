@@ -16,6 +16,7 @@ import pytest
 
 from miles_agent.environment import Environment, EnvSession, Reward, Task, ToolError
 from miles_agent.sandbox import Sandbox
+from miles_agent.testing.contracts._fixtures import fixture_missing
 
 ANSWER = {"role": "assistant", "content": "I do not know."}
 
@@ -46,7 +47,7 @@ class EnvironmentContract:
 
     @pytest.fixture
     def environment(self) -> Environment:
-        raise NotImplementedError("an EnvironmentContract subclass provides the environment fixture")
+        fixture_missing("EnvironmentContract", "environment", "an Environment instance")
 
     @pytest.fixture
     def make_sandbox(self) -> Callable[[], Sandbox] | None:

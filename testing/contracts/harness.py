@@ -16,6 +16,7 @@ import pytest
 
 from miles_agent.engine import Completion, SamplingParams
 from miles_agent.environment import EnvSession, Harness, HarnessLimits, Reward, Task, ToolError
+from miles_agent.testing.contracts._fixtures import fixture_missing
 from miles_agent.types import Status, Trajectory
 
 TASK = Task(id="contract-0", messages=({"role": "system", "content": "Answer briefly."},
@@ -74,7 +75,7 @@ class HarnessContract:
 
     @pytest.fixture
     def harness_class(self) -> Callable[..., Harness]:
-        raise NotImplementedError("a HarnessContract subclass provides the harness_class fixture")
+        fixture_missing("HarnessContract", "harness_class", "the Harness class")
 
     @pytest.fixture
     def harness_kwargs(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from miles_agent.sandbox import ExecResult, Sandbox, SandboxError, SandboxSpec
+from miles_agent.testing.contracts._fixtures import fixture_missing
 
 
 def host_processes_with(marker: str) -> list[int]:
@@ -32,7 +33,7 @@ def host_processes_with(marker: str) -> list[int]:
 class SandboxContract:
     @pytest.fixture
     def make_sandbox(self) -> Callable[[], Sandbox]:
-        raise NotImplementedError("a SandboxContract subclass provides the make_sandbox fixture")
+        fixture_missing("SandboxContract", "make_sandbox", "a callable that makes an unstarted Sandbox")
 
     def leftover_processes(self, marker: str) -> list[int]:
         return host_processes_with(marker)

@@ -18,6 +18,7 @@ import torch
 
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
+from miles_agent.testing.contracts._fixtures import fixture_missing
 from miles_agent.trainer import OffloadableTrainer, TrainBatch, Trainer
 from miles_agent.types import Trajectory
 
@@ -65,7 +66,7 @@ class TrainerContract:
 
     @pytest.fixture
     def trainer_class(self) -> Callable[..., Trainer]:
-        raise NotImplementedError("a TrainerContract subclass provides the trainer_class fixture")
+        fixture_missing("TrainerContract", "trainer_class", "the Trainer class")
 
     @pytest.fixture
     def trainer_kwargs(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from miles_agent.testing.contracts._fixtures import fixture_missing
 from miles_agent.transports.core import tensor_checksum
 
 
@@ -50,7 +51,7 @@ def seeded_weights(seed: int, arch: str = "tiny-qwen3") -> list[tuple[str, torch
 class WeightTransportContract:
     @pytest.fixture
     def make_transport(self) -> Callable[[], tuple[Any, Any]]:
-        raise NotImplementedError("a WeightTransportContract subclass provides the make_transport fixture")
+        fixture_missing("WeightTransportContract", "make_transport", "a callable returning (transport, ReceiverProbe of its engine)")
 
     async def check_arrived(self, probe: Any, pushed: list[tuple[str, torch.Tensor]], version: int) -> None:
         got_version, sums = await probe.version(), await probe.checksums()

@@ -25,3 +25,13 @@ def test_the_env_side_suites_import_without_torch():
               "print(EnvironmentContract.__name__, SandboxContract.__name__)")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_suite_whose_subclass_names_no_plugin_fails_with_the_fix(tmp_path):
+    """Forgetting the fixture is a usage error with a message, not a pass and not a bare traceback."""
+    (tmp_path / "test_forgot.py").write_text(
+        "from miles_agent.testing.contracts import SandboxContract\n\n\nclass TestForgot(SandboxContract):\n    pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                        "test_forgot.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1 and " passed" not in r.stdout, r.stdout[-2000:]
+    assert "define `@pytest.fixture def make_sandbox(self)`" in r.stdout, r.stdout[-2000:]
