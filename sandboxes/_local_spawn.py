@@ -1,12 +1,16 @@
-"""Starting a sandbox process: from one spawner thread, each child with a fresh, empty session keyring.
+"""Starting a sandbox process from one spawner thread, which takes on the child's identity around a vfork.
 
-Why a thread of its own: the kernel hands a child its parent thread's session keyring, and a process
-*possesses* every key in its session keyring whatever its uid -- so a command started straight from
-the trainer could read keys the trainer's login put there, even after dropping to another uid. The
-spawner thread joins a new anonymous session keyring before every spawn (``keyctl(2)``
-``KEYCTL_JOIN_SESSION_KEYRING``, a per-thread credential), so each command starts with an empty one
-of its own and the trainer's other threads keep theirs. The thread lives as long as the process: a
-child's ``PR_SET_PDEATHSIG`` (the storage holder's) fires when the thread that spawned it exits.
+Why a thread of its own: what a child inherits at fork is its parent *thread*'s state, and the
+spawner thread can set that state per spawn without touching the trainer's other threads, and
+without an exec of a helper (sh, setpriv, nsenter, prlimit) on every command:
+- a fresh, empty session keyring (``KEYCTL_JOIN_SESSION_KEYRING``): a process possesses every key of
+  its session keyring whatever its uid, so a child of the trainer's thread could read its login's keys;
+- the command's pids cgroup (v1 moves single threads): the thread steps in, forks, steps out;
+- the sandbox's uid/gid (raw per-thread ``setres[ug]id``, see `_as_ids`), not Popen(user=), which forks;
+- the storage's mount namespace (``setns``, root callers), so no ``nsenter`` is needed.
+It also lowers rlimits as their owner where root lacks CAP_SYS_RESOURCE (`set_limits`). The thread
+lives as long as the process: a child's ``PR_SET_PDEATHSIG`` (the storage holder's) fires when the
+thread that spawned it exits.
 
 `SpawnedProcess` is the small part of asyncio's Process that `Execution` needs, waited on by pidfd.
 """
@@ -214,7 +218,7 @@ class SpawnedProcess:
         return self._popen.returncode
 
     def close(self) -> None:
-        """Reap (the caller waited) and release the pidfd."""
+        """Release the pidfd (once `wait` returned, the child is reaped)."""
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
@@ -235,5 +239,6 @@ async def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: str, stdout: i
 
 def spawn_sync(argv: Sequence[str], *, env: dict[str, str], cwd: str = "/", stdout: int | None = None,
                stderr: int | None = None, pass_fds: Sequence[int] = ()) -> subprocess.Popen:
-    """`spawn` for callers without an event loop (the storage holder is started from either)."""
+    """`spawn` for a caller in a worker thread (the storage holder: started once per sandbox, with no
+    identity of its own to take on -- its argv drops the ids itself)."""
     return _spawner().submit(_spawn_now, argv, env, cwd, stdout, stderr, pass_fds, SpawnAs()).result()

@@ -6,6 +6,7 @@ which bundle and device each actor was given, on any machine.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -33,3 +34,16 @@ def ray_session():
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     yield ray
     ray.shutdown()
+
+
+def train_then_close(run) -> tuple[list[dict], list]:
+    """Train ``run`` on its config, always shutting its engines and trainer down; the records and the
+    trainer group's memory log (what was offloaded and reloaded, in order)."""
+    async def main():
+        try:
+            return await run.train(), run.trainer.memory_log()[0]
+        finally:
+            await run.engine.shutdown()
+            run.trainer.close()
+
+    return asyncio.run(main())

@@ -13,6 +13,7 @@ import asyncio
 import time
 
 import pytest
+from conftest import train_then_close
 
 from miles_agent.config import load_config
 from miles_agent.loop import Run
@@ -105,14 +106,7 @@ def test_offload_also_wraps_rank0_broadcast(ray_session, tmp_path):
                                    "sync.transport": "distributed", "sync.check": True, "run.run_dir": str(tmp_path)})
     run = Run(cfg)
 
-    async def main():
-        try:
-            return await run.train(), run.trainer.memory_log()[0]
-        finally:
-            await run.engine.shutdown()
-            run.trainer.close()
-
-    records, log = asyncio.run(main())
+    records, log = train_then_close(run)
     assert all(r["sync_checked_tensors"] > 0 for r in records)  # the engine holds rank 0's exact weights
     assert [e for e, _, _ in log] == ["offload", *["reload", "train_step", "gather", "offload"] * 2,
                                       "reload", "save_checkpoint", "offload", "reload", "save_hf", "offload"]

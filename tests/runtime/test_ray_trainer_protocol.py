@@ -3,10 +3,10 @@ loopback), and what the core calls on a trainer working under ``cluster.mode=ray
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import pytest
+from conftest import train_then_close
 
 from miles_agent.config import load_config
 from miles_agent.loop import Run
@@ -59,14 +59,7 @@ def test_kl_in_the_reward_trains_under_ray(ray_session, tmp_path):
     release = run.cluster.session.engines.release_memory
     run.cluster.session.engines.release_memory = lambda: (released.append(1), release())[1]
 
-    async def main():
-        try:
-            return await run.train(), run.trainer.memory_log()[0]
-        finally:
-            await run.engine.shutdown()
-            run.trainer.close()
-
-    records, log = asyncio.run(main())
+    records, log = train_then_close(run)
     assert [r["step"] for r in records] == [0] and records[0]["train/reload_s"] >= 0
     assert len(released) == 1
     # the reference pass (the old logprobs are the rollout's: algo.use_rollout_logprobs)
