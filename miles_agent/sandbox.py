@@ -45,14 +45,33 @@ class ExecResult:
     limit_hit: str | None = None  # "wall_time", "cpu_time", "memory", "output", ... when a limit ended it
 
 
+@dataclass(frozen=True)
+class ImageBuild:
+    """An image a container backend builds (not pulls) before the episode: ``context`` is a host folder
+    (a Harbor task's environment/), ``dockerfile`` a path inside it. Backends cache builds by a hash of
+    the context's content, so a task set builds each distinct environment once."""
+
+    context: str
+    dockerfile: str = "Dockerfile"
+    build_args: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class SandboxSpec:
     """What an environment asks of a sandbox for one episode."""
 
-    image: str | None = None  # a container image; the local backend refuses tasks that need one
-    files: dict[str, bytes] = field(default_factory=dict)  # workspace-relative path -> content
+    image: str | None = None  # a container image to run; the local backend refuses tasks that need one
+    build: ImageBuild | None = None  # build this image instead (container backends); ``image`` then unused
+    files: dict[str, bytes] = field(default_factory=dict)  # path -> content: relative to ``workdir``, or absolute
     env: dict[str, str] = field(default_factory=dict)
     limits: SandboxLimits = field(default_factory=SandboxLimits)
+    # The default cwd of every exec (an image's WORKDIR, e.g. /app), at that real path. None = the
+    # backend's own workspace (/workspace).
+    workdir: str | None = None
+    # The task asked for the network (Harbor ``network_mode = "public"`` / ``allow_internet``). Backends
+    # honour it unless their operator option forbids it, and then log a warning naming the task's request.
+    network: bool = False
+    cpus: float | None = None  # CPU share, where the backend can limit it (containers)
 
 
 class SandboxError(InfraError):
