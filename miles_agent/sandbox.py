@@ -97,6 +97,9 @@ class VerifierRun:
     timeout_s: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
     max_output_file_bytes: int = 1 << 20
+    # Host folders the verifier sees read-only at the given absolute paths (sandbox path -> host folder),
+    # e.g. a provisioned offline toolchain (uv and a wheel cache). The agent never sees them.
+    host_dirs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
