@@ -30,6 +30,7 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Host /etc entries a sandbox may see: loader config, alternatives (awk, editor ...), locale and CA
 # data. Credentials and host config (shadow, gitconfig, pip.conf, npmrc, ssl/private) stay out.
@@ -54,16 +55,16 @@ INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`
                 "LocalSandbox(isolation='none') to run commands without isolation")
 
 
-_staged_etc: str | None = None
+_staged_etc: dict[bool, str] = {}
+NETWORK_ETC = ("resolv.conf", "hosts")  # with the host's network: its resolver and hosts, as a container gets
 
 
-def staged_etc() -> str:
+def staged_etc(network: bool = False) -> str:
     """A read-only-to-be /etc for every sandbox of this process: copies of the allowlisted host entries
-    plus the synthesized files. Built once (mounting each entry separately doubled bwrap's start time)
-    and removed at exit."""
-    global _staged_etc
-    if _staged_etc is not None and os.path.isdir(_staged_etc):
-        return _staged_etc
+    plus the synthesized files (``network``: the host's resolv.conf and hosts instead). Built once per
+    kind (mounting each entry separately doubled bwrap's start time) and removed at exit."""
+    if network in _staged_etc and os.path.isdir(_staged_etc[network]):
+        return _staged_etc[network]
     etc = tempfile.mkdtemp(prefix="miles-agent-etc-")
     os.chmod(etc, 0o755)
     python_etc = [p[len("/etc/"):] for p in glob.glob("/etc/python3*")]
@@ -72,8 +73,11 @@ def staged_etc() -> str:
     for name, text in SYNTHESIZED_ETC.items():
         with open(os.path.join(etc, name), "w") as f:
             f.write(text)
+    for name in NETWORK_ETC if network else ():
+        os.unlink(os.path.join(etc, name))
+        _copy_entry(os.path.realpath(f"/etc/{name}"), os.path.join(etc, name))
     atexit.register(shutil.rmtree, etc, ignore_errors=True)
-    _staged_etc = etc
+    _staged_etc[network] = etc
     return etc
 
 
@@ -91,11 +95,22 @@ def _copy_entry(src: str, dst: str) -> None:
         pass  # unreadable or vanished: the sandbox simply does not get it
 
 
-def _system_mounts(extra_ro_binds: tuple[str, ...]) -> list[str]:
-    """/usr read-only, the top-level /bin, /lib* as the host has them (merged-usr links or folders)."""
+SYSTEM_TOPS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+def system_links() -> dict[str, str]:
+    """The merged-usr links of the host's root (``bin -> usr/bin`` ...), by top-level name."""
+    return {top[1:]: os.readlink(top) for top in SYSTEM_TOPS if os.path.islink(top)}
+
+
+def _system_mounts(extra_ro_binds: tuple[str, ...], links: bool = True) -> list[str]:
+    """/usr read-only, the top-level /bin, /lib* as the host has them (merged-usr links or folders;
+    ``links`` False: the sandbox's own root holds the links already, see `system_links`)."""
     args = ["--ro-bind", "/usr", "/usr"]
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+    for top in SYSTEM_TOPS:
         if os.path.islink(top):
+            if not links:
+                continue
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
@@ -112,24 +127,35 @@ class Bwrap:
     options: frozenset[str] = frozenset()
 
 
-def bwrap_options(bwrap: Bwrap, binds: Sequence[tuple[str, str]], extra_ro_binds: tuple[str, ...] = ()) -> list[str]:
-    """The sandbox's bwrap options (without the binary, the status fd and the command). ``binds``:
-    (path in the storage namespace, path inside) pairs bound read-write, the first one the cwd.
+def bwrap_options(bwrap: Bwrap, binds: Sequence[tuple[str, str]], extra_ro_binds: tuple[str, ...] = (), *,
+                  root: str | None = None, chdir: str | None = None, share_net: bool = False,
+                  ro_binds: Sequence[tuple[str, str]] = ()) -> list[str]:
+    """The sandbox's bwrap options (without the binary, the status fd and the command). ``root``: a
+    folder of the storage namespace bound read-write as / (the sandbox's own root filesystem, under
+    the system mounts), ``binds``: (path in the storage namespace, path inside) pairs bound read-write
+    over it, ``ro_binds`` read-only (host folders), ``chdir`` the cwd (default: the first bind's).
+    ``share_net``: the host's network (the task asked for it and the operator allows it).
 
     uid 0 inside is the sandbox's own unprivileged host uid (see ``_local_identity``), never host
     root; /proc/sys and /proc/sysrq-trigger are bound read-only on top of the fresh /proc all the
     same, so no sysctl is writable whoever runs it."""
     args = ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox",
             "--unshare-user", "--uid", "0", "--gid", "0"]
+    if share_net:
+        args.append("--share-net")
     if "--disable-userns" in bwrap.options:  # no user namespace nested inside (less kernel attack surface)
         args.append("--disable-userns")
-    args += _system_mounts(extra_ro_binds) + ["--ro-bind", staged_etc(), "/etc"]
+    if root is not None:
+        args += ["--bind", root, "/"]
+    args += _system_mounts(extra_ro_binds, links=root is None) + ["--ro-bind", staged_etc(share_net), "/etc"]
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
              "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger", "--dev", "/dev"]
     args += (["--size", str(SHM_BYTES)] if "--size" in bwrap.options else []) + ["--tmpfs", "/dev/shm"]
     for source, inside in binds:
         args += ["--bind", source, inside]
-    return args + ["--chdir", binds[0][1]]
+    for source, inside in ro_binds:
+        args += ["--ro-bind", source, inside]
+    return args + ["--chdir", chdir or binds[0][1]]
 
 
 def args_blob(options: Sequence[str]) -> bytes:
@@ -153,10 +179,10 @@ async def _run(argv: list[str]) -> tuple[int, str]:
     return proc.returncode or 0, out.decode(errors="replace").strip()
 
 
-async def probe_bwrap(path: str, launch: Sequence[str], binds: Sequence[tuple[str, str]]) -> Bwrap:
+async def probe_bwrap(path: str, launch: Sequence[str], binds: Sequence[tuple[str, str]], **layout: Any) -> Bwrap:
     """Check once per bwrap binary that it can build our sandbox (``launch``: the prefix that enters
-    the sandbox's identity and storage). RuntimeError with bwrap's own words when it cannot, or when
-    it is too old to report its command's status (< 0.5)."""
+    the sandbox's identity and storage; ``layout``: `bwrap_options`' keywords). RuntimeError with
+    bwrap's own words when it cannot, or when it is too old to report its command's status (< 0.5)."""
     if path in _probe_cache:
         return _probe_cache[path]
     _, usage = await _run([path, "--help"])
@@ -164,7 +190,7 @@ async def probe_bwrap(path: str, launch: Sequence[str], binds: Sequence[tuple[st
     if "--json-status-fd" not in options:
         raise BwrapTooOld(f"{path} is too old (no --json-status-fd; bubblewrap 0.5 or newer is needed)")
     bwrap = Bwrap(path, options)
-    code, out = await _run([*launch, path, *bwrap_options(bwrap, binds), "--", "/bin/sh", "-c", "exit 0"])
+    code, out = await _run([*launch, path, *bwrap_options(bwrap, binds, **layout), "--", "/bin/sh", "-c", "exit 0"])
     if code != 0:
         raise RuntimeError(out or f"exit {code}")
     _probe_cache[path] = bwrap

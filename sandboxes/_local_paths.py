@@ -97,6 +97,7 @@ def _open_in_root(root: str, root_fd: int, path: str, flags: int, mode: int, top
 
 
 def _check_inside(fd: int, workspace: str, path: str) -> None:
+    workspace = workspace.rstrip("/")  # top "": the sandbox's whole root
     real = os.readlink(f"/proc/self/fd/{fd}")
     if real != workspace and not real.startswith(workspace + "/"):
         os.close(fd)
@@ -131,9 +132,9 @@ def read_workspace_file(root: str, root_fd: int, rel: str, *, top: str = "worksp
         os.close(fd)
 
 
-def _ensure_dir(root: str, root_fd: int, rel: str) -> int:
+def _ensure_dir(root: str, root_fd: int, rel: str, top: str = "workspace") -> int:
     """An O_PATH fd of workspace directory ``rel``, creating missing parts one verified step at a time."""
-    fd = open_in_workspace(root, root_fd, ".", os.O_PATH | os.O_DIRECTORY)
+    fd = open_in_workspace(root, root_fd, ".", os.O_PATH | os.O_DIRECTORY, top=top)
     done = "."
     for part in [] if rel == "." else rel.split("/"):
         nxt = posixpath.join(done, part)
@@ -143,7 +144,7 @@ def _ensure_dir(root: str, root_fd: int, rel: str) -> int:
             pass
         finally:
             os.close(fd)
-        fd = open_in_workspace(root, root_fd, nxt, os.O_PATH | os.O_DIRECTORY)
+        fd = open_in_workspace(root, root_fd, nxt, os.O_PATH | os.O_DIRECTORY, top=top)
         done = nxt
     return fd
 
@@ -157,12 +158,12 @@ def _open_for_write(path: str, flags: int, rel: str, dir_fd: int | None = None) 
         raise
 
 
-def write_workspace_file(root: str, root_fd: int, rel: str, content: bytes) -> None:
+def write_workspace_file(root: str, root_fd: int, rel: str, content: bytes, *, top: str = "workspace") -> None:
     """Create or replace a workspace file (and its folders); a symlink is followed only if it stays inside."""
     parent, name = posixpath.split(rel)
     if rel in (".", "") or not name:
         raise IsADirectoryError(f"{rel!r} is the workspace itself, not a file")
-    dir_fd = _ensure_dir(root, root_fd, parent or ".")
+    dir_fd = _ensure_dir(root, root_fd, parent or ".", top)
     flags = os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC  # O_TRUNC only once it is known to be a file
     try:
         fd = _open_for_write(name, flags | os.O_CREAT | os.O_NOFOLLOW, rel, dir_fd)
@@ -170,7 +171,7 @@ def write_workspace_file(root: str, root_fd: int, rel: str, content: bytes) -> N
         if e.errno != errno.ELOOP:
             raise
         # The last part is a symlink: resolve it as the sandbox would, prove it stays inside, then open.
-        path_fd = open_in_workspace(root, root_fd, rel, os.O_PATH)
+        path_fd = open_in_workspace(root, root_fd, rel, os.O_PATH, top=top)
         try:
             fd = _open_for_write(f"/proc/self/fd/{path_fd}", flags, rel)
         finally:
@@ -182,6 +183,28 @@ def write_workspace_file(root: str, root_fd: int, rel: str, content: bytes) -> N
     os.ftruncate(fd, 0)
     with os.fdopen(fd, "wb") as f:
         f.write(content)
+
+
+def plain_dirs(root_fd: int, rel: str) -> None:
+    """Make ``rel`` (under the root ``root_fd`` opens) a chain of real folders: any symlink, file or
+    other non-folder on the way, which a sandbox's command may have left, is removed and replaced by a
+    folder, so a bind mount at that path lands exactly there. Run as the sandbox's fs user."""
+    fd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
+    try:
+        for part in [p for p in rel.split("/") if p not in ("", ".")]:
+            if part == "..":
+                raise PermissionError(f"path {rel!r} climbs out of the sandbox")
+            try:
+                if not stat.S_ISDIR(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                    os.unlink(part, dir_fd=fd)
+                    os.mkdir(part, 0o755, dir_fd=fd)
+            except FileNotFoundError:
+                os.mkdir(part, 0o755, dir_fd=fd)
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
 
 
 def remove_tree(root: str) -> None:

@@ -34,6 +34,25 @@ def tops(run: VerifierRun) -> list[str]:
     return sorted(tops)
 
 
+def host_binds(run: VerifierRun, tops: list[str]) -> list[tuple[str, str]]:
+    """``run.host_dirs`` as (host folder, path inside) read-only binds: each an existing host folder,
+    shown at an absolute path outside the system folders and the verifier's own ones."""
+    binds = []
+    for inside, host in sorted(run.host_dirs.items()):
+        norm = posixpath.normpath(inside) if isinstance(inside, str) else ""
+        top = norm.strip("/").split("/")[0]
+        if not norm.startswith("/") or top in RESERVED_TOPS or top in tops:
+            raise UserError(f"verifier host folder {inside!r}: its path inside must be absolute, outside "
+                            f"{', '.join('/' + t for t in sorted(t for t in RESERVED_TOPS | set(tops) if t))}, "
+                            "e.g. /opt/verifier")
+        real = os.path.realpath(host)
+        if not os.path.isdir(real):
+            raise UserError(f"verifier host folder {host!r} (for {inside}) is not a folder on this machine; "
+                            "provision it first or drop it from VerifierRun.host_dirs")
+        binds.append((real, norm))
+    return binds
+
+
 def stage(view: str, tops: list[str], run: VerifierRun) -> None:
     """Empty the verifier's storage, then lay out its fresh home, /tmp, output folder and files."""
     for name in os.listdir(view):

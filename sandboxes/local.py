@@ -67,6 +67,7 @@ from ._local_isolation import (
     bwrap_options,
     create_pids_cgroup,
     probe_bwrap,
+    system_links,
 )
 from ._local_run import Execution, RunPlan, rlimit_argv, rlimits
 from ._local_spawn import SpawnAs
@@ -78,7 +79,9 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CGROUP_JOIN = 'echo $$ > "$0" && exec "$@"'  # sh: join the command's cgroup, then exec the rest
 MARKER_ENV = "MILES_AGENT_SANDBOX_ID"  # plain mode only: finds escaped processes at stop
 MAX_COMMAND_BYTES = 128 << 10  # the kernel refuses a longer single argument (MAX_ARG_STRLEN)
-AGENT_DIRS = (("workspace", INSIDE_WORKSPACE), ("tmp", "/tmp"), ("root", "/root"))
+# Top-level names of the sandbox's root that the system mounts hold: no file of a task may go there.
+SYSTEM_TOPS = frozenset({"usr", "etc", "proc", "dev", "sys", "bin", "sbin", "lib", "lib32", "lib64", "libx32"})
+NETWORK_POLICIES = ("task", "off", "on")
 T = TypeVar("T")
 _warned_unisolated = False
 
@@ -111,6 +114,7 @@ class LocalSandboxOptions:
     sandbox_uid: int | None = None
     verifier_disk_bytes: int = 512 << 20
     verifier_disk_inodes: int = 65536
+    network: str = "task"
 
 
 class LocalSandbox(Sandbox):
@@ -124,15 +128,23 @@ class LocalSandbox(Sandbox):
                  root_dir: str | None = None, use_cgroups: bool = True,
                  output_kill_bytes: int | None = None, extra_ro_binds: Sequence[str] = (),
                  sandbox_uid: int | None = None, verifier_disk_bytes: int = 512 << 20,
-                 verifier_disk_inodes: int = 65536) -> None:
+                 verifier_disk_inodes: int = 65536, network: str = "task") -> None:
         """``isolation``: "bwrap" (default) or "none" (unisolated, explicit). ``bwrap_path``: the binary
         (default: ``bwrap`` on PATH). ``root_dir``: where workspaces are created (default: the temp dir).
         ``output_kill_bytes``: per-stream output after which a command is killed (default: 16x the
         spec's max_output_bytes, at least 1 MiB). ``extra_ro_binds``: host folders to show read-only.
         ``sandbox_uid``: with a root caller, the host uid (and gid) commands run as (default: a fresh
-        one per sandbox). ``verifier_disk_*``: the quota of the verifier's own storage."""
+        one per sandbox). ``verifier_disk_*``: the quota of the verifier's own storage. ``network``: the
+        operator's policy -- "task" (the host's network when the task asks, `SandboxSpec.network`),
+        "off" (never; a task's request is logged as overridden), "on" (always)."""
         if isolation not in ("bwrap", "none"):
             raise ValueError(f"LocalSandbox isolation must be 'bwrap' or 'none', not {isolation!r}")
+        if network not in NETWORK_POLICIES:
+            raise UserError(f"local sandbox: network={network!r} is not a policy; use one of "
+                            f"{', '.join(map(repr, NETWORK_POLICIES))}")
+        self.network_policy = network
+        self.network = False  # whether this sandbox's commands share the host's network (set at start)
+        self.workdir = INSIDE_WORKSPACE  # the default cwd inside (the spec's workdir, e.g. /app)
         self.isolation = isolation
         self._bwrap_path = bwrap_path
         self._root_dir = root_dir
@@ -159,9 +171,17 @@ class LocalSandbox(Sandbox):
     async def start(self, spec: SandboxSpec) -> None:
         if self.root is not None or self._stopped:
             raise SandboxError("local sandbox: start() called twice; create one LocalSandbox per episode")
-        if spec.image:
-            raise SandboxError(f"the local sandbox cannot run container images (task asks for {spec.image!r}); "
+        if spec.image or spec.build:
+            what = repr(spec.image) if spec.image else f"an image built from {spec.build.context}"  # type: ignore[union-attr]
+            raise SandboxError(f"the local sandbox cannot run container images (task asks for {what}); "
                                "configure a container sandbox (docker, e2b, modal or daytona) for this task")
+        self.workdir = _checked_workdir(spec.workdir) if self.isolation == "bwrap" else INSIDE_WORKSPACE
+        self.network = self.isolation == "bwrap" and (self.network_policy == "on" or
+                                                      (spec.network and self.network_policy == "task"))
+        if spec.network and self.network_policy == "off":
+            log.warning("local sandbox: the task asks for the network (SandboxSpec.network), but the sandbox's "
+                        "network policy is 'off': it runs without (env.sandbox_options={'network': 'task'} "
+                        "honours such requests)")
         bwrap = self._find_tools()
         parent = self._root_dir or tempfile.gettempdir()
         if bwrap is not None and os.geteuid() == 0 and not _world_executable(parent):
@@ -213,7 +233,7 @@ class LocalSandbox(Sandbox):
             self._fs_fd = os.open(self._fs_root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         else:
             await self._prepare_isolated(spec, bwrap)
-        for path, content in spec.files.items():
+        for path, content in spec.files.items():  # relative: in the workdir; absolute: at their path
             await self.write_file(path, content)
 
     async def _prepare_isolated(self, spec: SandboxSpec, bwrap: str) -> None:
@@ -227,7 +247,11 @@ class LocalSandbox(Sandbox):
             await asyncio.to_thread(self._storage.start)
             self._fs_root = self._storage.agent_dir
             self._fs_fd = os.open(self._storage.host_view(self._fs_root), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            self._bwrap = await probe_bwrap(bwrap, self._launch_argv(), self._agent_binds())
+            self._guard_io(lambda _r, _fd: self._fix_system_links())
+            if self.workdir != INSIDE_WORKSPACE:  # the workdir is a folder of the sandbox's root, like /workspace
+                self._guard_io(lambda _r, fd: paths.plain_dirs(fd, self.workdir.lstrip("/")))
+                os.rmdir(self._host_path("") + INSIDE_WORKSPACE)  # the storage's default one, unused here
+            self._bwrap = await probe_bwrap(bwrap, self._launch_argv(), [], **self._agent_layout())
         except (RuntimeError, OSError) as e:
             advice = ("install a newer bubblewrap" if isinstance(e, BwrapTooOld) else
                       "it needs user namespaces (sysctl user.max_user_namespaces>0, or on Debian/Ubuntu "
@@ -242,8 +266,30 @@ class LocalSandbox(Sandbox):
         assert self._storage is not None
         return [*self._identity.drop_argv, *self._storage.enter_argv()]
 
-    def _agent_binds(self) -> list[tuple[str, str]]:
-        return [(posixpath.join(self._fs_root, sub), inside) for sub, inside in AGENT_DIRS]
+    def _agent_layout(self) -> dict:
+        """`bwrap_options` keywords while the agent acts: its storage is the sandbox's root filesystem
+        (/workspace or the task's workdir, /tmp, /root, and any folder it makes), under the system mounts."""
+        return {"root": self._fs_root, "chdir": self.workdir, "share_net": self.network}
+
+    def _fix_system_links(self) -> None:
+        """Make the root's merged-usr links (``bin -> usr/bin`` ...) as the host has them, before each
+        command (bwrap does not make them in a root of the sandbox's own): a command may have removed
+        one or put a folder there (``rm /bin; mkdir /bin``), which would break every later command."""
+        for name, target in system_links().items():
+            path = os.path.join(self._host_path(""), name)
+            try:
+                if os.path.islink(path) and os.readlink(path) == target:
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    paths.remove_tree(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            try:
+                os.symlink(target, path)
+            except FileExistsError:  # a concurrent command of the same sandbox made it
+                pass
 
     async def stop(self) -> None:
         """Kill every running command (its whole pid namespace), then free the sandbox's storage."""
@@ -273,11 +319,13 @@ class LocalSandbox(Sandbox):
                    env: dict[str, str] | None = None) -> ExecResult:
         """Run ``bash -c command`` in the sandbox; a limit ends the command, never the sandbox."""
         self._require_started()
+        if self.isolation == "bwrap":
+            await asyncio.to_thread(self._guard_io, lambda _r, _fd: self._fix_system_links())
         return await self._run(command, timeout_s, cwd, self._command_env(env),
-                               self._agent_binds() if self.isolation == "bwrap" else [])
+                               self._agent_layout() if self.isolation == "bwrap" else {})
 
     async def _run(self, command: str, timeout_s: float | None, cwd: str | None, command_env: dict[str, str],
-                   binds: list[tuple[str, str]]) -> ExecResult:
+                   layout: dict) -> ExecResult:
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if len(command.encode(errors="surrogateescape")) >= MAX_COMMAND_BYTES:
@@ -307,7 +355,9 @@ class LocalSandbox(Sandbox):
                 block, inner, values = (lambda _fds: []), rlimit_argv(self._prlimit, values) + inner, ()
             argv_for = lambda fds: [*launch, "--args", str(fds["args"]), "--json-status-fd",  # noqa: E731
                                     str(fds["status"]), *block(fds), "--", *inner]
-            blob, workdir = args_blob(bwrap_options(self._bwrap, binds, self._extra_ro_binds)), "/"
+            opts = dict(layout)
+            blob = args_blob(bwrap_options(self._bwrap, opts.pop("binds", []), self._extra_ro_binds, **opts))
+            workdir = "/"
         else:
             plain = head + rlimit_argv(self._prlimit, values) + inner
             argv_for, blob, workdir, values = (lambda _fds: plain), None, self._host_path("workspace"), ()
@@ -343,7 +393,7 @@ class LocalSandbox(Sandbox):
         return ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file, *ident.drop_argv, *enter], SpawnAs()
 
     def _inner_argv(self, command: str, cwd: str | None) -> list[str]:
-        """``bash -c command``, first changing to ``cwd`` (relative to the workspace) when given."""
+        """``bash -c command``, first changing to ``cwd`` (relative to the workdir) when given."""
         if "\0" in command:
             raise ValueError("command contains a NUL byte")
         if cwd is None:
@@ -371,20 +421,34 @@ class LocalSandbox(Sandbox):
     async def run_verifier(self, run: VerifierRun) -> VerifierResult:
         """Stage ``run.files`` from the host side into the verifier's own storage (never bound while the
         agent acts, so nothing the agent did can block or alter it), bind each of their top-level
-        folders at its absolute path, and run the command on the agent's final workspace with a fresh
-        home and /tmp; the outputs are read back from the host side."""
+        folders at its absolute path over the agent's final root, with a fresh home and /tmp and
+        ``run.host_dirs`` read-only (the verifier's only); the outputs are read back from the host side."""
         self._require_started()
         if self.isolation != "bwrap" or self._storage is None:
             raise UserError("local sandbox: a verifier needs isolation='bwrap' (the unisolated mode cannot show "
                             "files at absolute paths such as /tests); install bubblewrap")
         tops = verifier.tops(run)
+        ro_binds = verifier.host_binds(run, tops)
         view = self._storage.host_view(self._storage.verifier_dir)
         await asyncio.to_thread(self._guard_io, lambda _r, _fd: verifier.stage(view, tops, run))
-        binds = [(posixpath.join(self._fs_root, "workspace"), INSIDE_WORKSPACE)]
-        binds += [(posixpath.join(self._storage.verifier_dir, d), inside)
-                  for d, inside in (("tmp", "/tmp"), ("home", "/root"), *((t, "/" + t) for t in tops))]
+        binds = [(posixpath.join(self._storage.verifier_dir, d), inside)
+                 for d, inside in (("tmp", "/tmp"), ("home", "/root"), *((t, "/" + t) for t in tops))]
+
+        def mount_points(_r: str, fd: int) -> None:  # whatever the agent left there (a symlink) goes
+            self._fix_system_links()
+            for inside in [*(i for _, i in binds), *(i for _, i in ro_binds)]:
+                paths.plain_dirs(fd, inside.lstrip("/"))
+        try:
+            await asyncio.to_thread(self._guard_io, mount_points)
+        except (PermissionError, OSError) as e:
+            if isinstance(e, OSError) and not isinstance(e, PermissionError) and e.errno not in (
+                    errno.ENOSPC, errno.EDQUOT, errno.ENOTEMPTY, errno.EISDIR):
+                raise
+            return VerifierResult(None, setup_error=f"preparing the verifier's folders in the agent's root: {e}")
         env = self._command_env({**VERIFIER_PYTHON_ENV, **run.env}, base={})
-        result = await self._run(run.command, run.timeout_s, None, env, binds)
+        layout = {"root": self._fs_root, "binds": binds, "ro_binds": ro_binds, "chdir": self.workdir,
+                  "share_net": self.network}
+        result = await self._run(run.command, run.timeout_s, None, env, layout)
         vdir = self._storage.verifier_dir
         outputs = await asyncio.to_thread(self._guard_io, lambda _r, _fd: verifier.read_outputs(vdir, view, run))
         return VerifierResult(result, outputs)
@@ -394,21 +458,31 @@ class LocalSandbox(Sandbox):
     async def read_file(self, path: str) -> bytes:
         """A workspace file's bytes. Paths escaping the workspace (``..``, other absolute paths, symlinks
         leading out) raise PermissionError; a missing file FileNotFoundError."""
-        rel = self._rel(path)
-        return await asyncio.to_thread(self._guard_io, paths.read_workspace_file, rel)
+        top, rel = self._rel(path)
+        return await asyncio.to_thread(self._guard_io, lambda r, fd: paths.read_workspace_file(r, fd, rel, top=top))
 
     async def write_file(self, path: str, content: bytes) -> None:
         """Create or replace a workspace file, creating its folders; same path rules as `read_file`.
         A full quota raises OSError(ENOSPC/EDQUOT), as a write inside the sandbox would fail."""
-        rel = self._rel(path)
+        top, rel = self._rel(path)
         if not isinstance(content, bytes | bytearray | memoryview):
             raise TypeError(f"write_file needs bytes, got {type(content).__name__}")
-        await asyncio.to_thread(self._guard_io, paths.write_workspace_file, rel, bytes(content))
+        data = bytes(content)
+        await asyncio.to_thread(self._guard_io, lambda r, fd: paths.write_workspace_file(r, fd, rel, data, top=top))
 
-    def _rel(self, path: str) -> str:
+    def _rel(self, path: str) -> tuple[str, str]:
+        """(folder of the storage, path under it): a relative path is in the workdir; an absolute one
+        (bwrap mode) anywhere in the sandbox's own root except the system mounts (/usr, /etc ...)."""
         self._require_started()
-        inside = INSIDE_WORKSPACE if self.isolation == "bwrap" else self._host_path("workspace")
-        return paths.workspace_relative(path, inside)
+        if self.isolation != "bwrap":
+            return "workspace", paths.workspace_relative(path, self._host_path("workspace"))
+        if isinstance(path, str) and path.startswith("/"):
+            norm = posixpath.normpath(path)
+            if norm != self.workdir and not norm.startswith(self.workdir.rstrip("/") + "/"):
+                if norm.strip("/").split("/")[0] in SYSTEM_TOPS | {""}:
+                    raise PermissionError(f"path {path!r} is in the sandbox's read-only system folders")
+                return "", norm.lstrip("/")
+        return self.workdir.lstrip("/"), paths.workspace_relative(path, self.workdir)
 
     def _guard_io(self, fn: Callable[..., T], *args: object) -> T:
         """File access as the sandbox's own host uid. Caller errors (missing file, path escapes, a full
@@ -437,10 +511,25 @@ class LocalSandbox(Sandbox):
         return self._host_path(sub)
 
     def _host_path(self, sub: str) -> str:
-        """A folder of the agent's storage as the host reaches it (plain mode: a real host path)."""
+        """A folder of the agent's storage as the host reaches it (plain mode: a real host path);
+        "workspace" is the workdir, wherever the spec put it."""
         assert self.root is not None
         base = self._storage.host_view(self._fs_root) if self._storage is not None else self._fs_root
+        if sub == "workspace" and self.isolation == "bwrap":
+            sub = self.workdir.lstrip("/")
         return os.path.join(base, sub)
+
+
+def _checked_workdir(workdir: str | None) -> str:
+    """The spec's workdir as a normal absolute path outside the system mounts (default /workspace)."""
+    if workdir is None:
+        return INSIDE_WORKSPACE
+    norm = posixpath.normpath(workdir) if isinstance(workdir, str) else ""
+    if not norm.startswith("/") or norm.strip("/").split("/")[0] in SYSTEM_TOPS | {""}:
+        raise UserError(f"local sandbox: workdir {workdir!r} must be an absolute folder outside the read-only "
+                        f"system folders ({', '.join(sorted('/' + t for t in SYSTEM_TOPS))}), e.g. /app; "
+                        "run the task with a container sandbox otherwise")
+    return norm
 
 
 def _world_executable(path: str) -> bool:

@@ -1,13 +1,14 @@
 """terminal-bench: Harbor-format shell tasks, played through one `bash` tool and scored by the task's test.sh.
 
 Paths. Harbor's scripts use absolute paths: the verifier writes /logs/verifier/reward.txt, its
-helpers live in /tests, the oracle in /solution, and the agent works in the Dockerfile's WORKDIR.
-The verifier runs through `Sandbox.run_verifier`, which puts tests/ at /tests and a fresh
+helpers live in /tests, the oracle in /solution, and the agent works in the task's working
+directory (WORKDIR). Every sandbox shows them at those real paths -- the local one in its mount
+namespace -- so task scripts run unmodified (``APP_DIR="${APP_DIR:-/app}"`` and computed paths
+work). The verifier runs through `Sandbox.run_verifier`, which puts tests/ at /tests and a fresh
 /logs/verifier in every sandbox -- from the host side on the local one, where the agent cannot
 reach them -- with a fresh home and /tmp and Python without user site. tests/ is never in the
-sandbox while the agent acts. The local sandbox lends its workspace for the WORKDIR, so there the
-WORKDIR in text files of tests/ and solution/ is rewritten to the workspace; the oracle's solution/
-goes to ``<workspace>/.harbor/`` (its /tests, /solution, /logs rewritten too) and is removed after.
+sandbox while the agent acts; the oracle's solution/ is put at /solution before solve.sh runs.
+On the local sandbox, the Dockerfile's RUN steps that need only host tools run first (`run_setup`).
 
 Failures: a missing or garbled reward file, a verifier that times out, or one that cannot be set up
 because of the state the agent left (a locked folder, a full disk), is the agent's failure and scores
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import shlex
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,9 +34,9 @@ from .harbor import HarborTask, load_tasks, staged_files
 log = logging.getLogger(__name__)
 
 SHIPPED_TASKS = Path(__file__).parent / "tasks"
-HARBOR_DIR = ".harbor"  # in the workspace, on sandboxes that lend only a workspace
 BUILD_IMAGE_PREFIX = "build:"  # spec.image for a task whose image is built from environment/Dockerfile
 REWARD_DIR = "/logs/verifier"
+SOLUTION_DIR = "/solution"
 
 BASH_TOOL: dict[str, Any] = {
     "type": "function",
@@ -54,32 +54,7 @@ BASH_TOOL: dict[str, Any] = {
 }
 
 
-# -- where Harbor's absolute paths live in a given sandbox ----------------------------------------
-
-class _Layout:
-    """Harbor's /tests, /solution and /logs, either as they are (containers) or inside the workspace
-    (``harbor_paths``: the oracle on the local sandbox); the WORKDIR mapped to the workspace there."""
-
-    def __init__(self, root: str, native: bool, workdir: str | None, *, harbor_paths: bool = True) -> None:
-        self.native, self.root = native, root.rstrip("/")
-        base = "" if native or not harbor_paths else f"{root.rstrip('/')}/{HARBOR_DIR}"
-        self.harbor = base or "/"
-        self.tests, self.solution, self.logs = f"{base}/tests", f"{base}/solution", f"{base}/logs"
-        self._map = {} if not base else {"/tests": self.tests, "/solution": self.solution, "/logs": self.logs}
-        if not native and workdir and workdir != "/":
-            self._map[workdir] = root
-
-    def write_path(self, path: str) -> str:
-        """The path to give `Sandbox.write_file`: workspace-relative where only the workspace is lent."""
-        return path if self.native else path[len(self.root):].lstrip("/")
-
-    def rewrite(self, text: str) -> str:
-        """Replace each mapped absolute path where it starts a path (not inside ``foo/tests``)."""
-        for src, dst in self._map.items():
-            pattern = rf"(?:^|(?<=[\s\"'=(:,\[<>|;`])){re.escape(src)}(?=$|[/\s\"'):;,\]|&<>`])"
-            text = re.sub(pattern, lambda _m, d=dst: d, text, flags=re.MULTILINE)
-        return text
-
+# -- Harbor's folders at their real paths ----------------------------------------------------------
 
 def _check(result: ExecResult, what: str) -> None:
     """A setup command of ours that fails means the sandbox is broken, not the agent."""
@@ -88,42 +63,35 @@ def _check(result: ExecResult, what: str) -> None:
                            f"{(result.stderr or result.stdout).strip()[-300:]}")
 
 
-async def _layout(task: HarborTask, sandbox: Sandbox) -> _Layout:
-    native = task.needs_container
-    root = "/"
-    if not native:
-        result = await sandbox.exec("pwd", timeout_s=30)
-        _check(result, "finding the workspace (pwd)")
-        root = result.stdout.strip() or "/"
-    return _Layout(root, native, task.workdir)
+class LocalSetupError(UserError):
+    """A Dockerfile RUN step failed in the local sandbox: the task needs its container image (the
+    message names the step and its output); run it with a container sandbox."""
 
 
-def _folder_files(layout: _Layout, source: Path, target: str, task_root: Path) -> dict[str, bytes]:
-    """A task folder (tests/ or solution/) as absolute path -> content, paths in text files rewritten."""
-    files = {}
-    for rel, path in staged_files(source, task_root):  # links leaving the task folder were refused at load
-        data = path.read_bytes()
-        if b"\0" not in data:
-            try:
-                data = layout.rewrite(data.decode("utf-8")).encode("utf-8")
-            except UnicodeDecodeError:
-                pass
-        files[f"{target}/{rel}"] = data
-    return files
+def _folder_files(source: Path, target: str, task_root: Path) -> dict[str, bytes]:
+    """A task folder (tests/ or solution/) as absolute path -> content, unmodified: the sandbox shows
+    it at its real path (/tests, /solution)."""
+    return {f"{target}/{rel}": path.read_bytes() for rel, path in staged_files(source, task_root)}
 
 
-async def _install_dir(sandbox: Sandbox, layout: _Layout, source: Path, target: str) -> None:
-    """Copy a task folder into the sandbox through its file API (the oracle's solution/)."""
-    for path, data in _folder_files(layout, source, target, source.parent).items():
-        await sandbox.write_file(layout.write_path(path), data)
-
-
-async def _prepare(sandbox: Sandbox, layout: _Layout, *dirs: str) -> None:
-    """Fresh, empty Harbor folders (the old ones, and anything the agent put there, are deleted)."""
-    quoted = " ".join(shlex.quote(d) for d in dirs)
-    clear = "" if layout.native else f"rm -rf {shlex.quote(layout.harbor)} && "
-    _check(await sandbox.exec(f"{clear}rm -rf {quoted} && mkdir -p {quoted}", timeout_s=30),
-           f"preparing {quoted}")
+async def run_setup(task: HarborTask, sandbox: Sandbox) -> list[ExecResult]:
+    """The Dockerfile's RUN steps that need only host tools, in order, each with the ENV, ARG and
+    WORKDIR in effect at its line (the local sandbox: a container backend built them into the image)."""
+    results = []
+    made = [w for w in task.workdirs if w != task.workdir]
+    if made:
+        _check(await sandbox.exec("mkdir -p -- " + " ".join(shlex.quote(w) for w in made), timeout_s=30),
+               "creating the Dockerfile's WORKDIRs")
+    for step in task.setup:
+        result = await sandbox.exec(step.command, cwd=step.workdir, env=step.env or None,
+                                    timeout_s=max(task.agent_timeout_s, 600.0))
+        results.append(result)
+        if result.exit_code != 0:
+            raise LocalSetupError(
+                f"terminal-bench: task {task.name}: its Dockerfile's `{step.line[:80]}` failed in the local sandbox "
+                f"(exit {result.exit_code}: {(result.stderr or result.stdout).strip()[-300:]}); it needs its "
+                "container image: run it with a container sandbox (env.sandbox=docker or auto)")
+    return results
 
 
 # -- the episode ----------------------------------------------------------------------------------
@@ -149,9 +117,8 @@ class TerminalBenchSession(EnvSession):
 
     tools = [BASH_TOOL]
 
-    def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int,
-                 workspace: str = "/") -> None:
-        self.task, self.sandbox, self.workspace = task, sandbox, workspace  # workspace: where WORKDIR lives
+    def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int) -> None:
+        self.task, self.sandbox = task, sandbox
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.agent_time_s = 0.0  # summed command time, held against the task's [agent] timeout_sec
         self.verifier_result: ExecResult | None = None  # kept for logs and debugging
@@ -172,8 +139,7 @@ class TerminalBenchSession(EnvSession):
 
     async def score(self, messages: list[dict[str, Any]]) -> Reward:
         """Run tests/test.sh on the final state (`Sandbox.run_verifier`) and read the reward file it wrote."""
-        tests = _Layout(self.workspace, self.task.needs_container, self.task.workdir, harbor_paths=False)
-        files = _folder_files(tests, self.task.path / "tests", "/tests", self.task.path)
+        files = _folder_files(self.task.path / "tests", "/tests", self.task.path)
         run = VerifierRun(command="bash /tests/test.sh", files=files,
                           output_dir=REWARD_DIR, outputs=("reward.txt", "reward.json"),
                           timeout_s=self.task.verifier_timeout_s, env=dict(self.task.verifier_env or {}))
@@ -294,7 +260,8 @@ class TerminalBenchEnv(Environment):
         limits = SandboxLimits(wall_time_s=longest, cpu_time_s=math.ceil(longest),
                                **({"memory_bytes": t.memory_mb << 20} if t.memory_mb else {}))
         files = {rel: src.read_bytes() for rel, src in t.files.items()}
-        return SandboxSpec(image=image, files=files, env=dict(t.env), limits=limits)
+        return SandboxSpec(image=image, files=files, env=dict(t.env), limits=limits, workdir=t.workdir,
+                           network=t.network, cpus=t.cpus)
 
     async def open(self, task: Task, sandbox: Sandbox | None = None) -> EnvSession:
         t = self.harbor_task(task)
@@ -306,22 +273,21 @@ class TerminalBenchEnv(Environment):
         if executable:
             _check(await sandbox.exec("chmod +x -- " + " ".join(shlex.quote(p) for p in executable),
                                       timeout_s=30), "marking environment scripts executable")
-        layout = await _layout(t, sandbox)  # before the agent acts: a failure here is the sandbox's
-        return TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars, layout.root or "/")
+        if getattr(sandbox, "name", "") == "local":  # a container backend built the RUN steps into its image
+            await run_setup(t, sandbox)
+        return TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars)
 
     async def oracle_solve(self, task: Task | str, sandbox: Sandbox) -> ExecResult:
         """Run the task's solution/solve.sh in the sandbox (the oracle policy); the caller scores after."""
         t = self.harbor_task(task)
         if not t.has_solution:
             raise UserError(f"terminal-bench: task {t.name} has no oracle; add {t.path / 'solution' / 'solve.sh'}")
-        layout = await _layout(t, sandbox)
-        await _prepare(sandbox, layout, layout.solution)
-        await _install_dir(sandbox, layout, t.path / "solution", layout.solution)
-        result = await sandbox.exec(f"bash {shlex.quote(layout.solution + '/solve.sh')}",
-                                    timeout_s=t.agent_timeout_s, env=t.solution_env or None)
-        if not layout.native:  # leave the workspace as an agent would
-            _check(await sandbox.exec(f"rm -rf {shlex.quote(layout.harbor)}", timeout_s=30), "cleaning up")
-        return result
+        _check(await sandbox.exec(f"rm -rf {SOLUTION_DIR} && mkdir -p {SOLUTION_DIR}", timeout_s=30),
+               f"preparing {SOLUTION_DIR}")
+        for path, data in _folder_files(t.path / "solution", SOLUTION_DIR, t.path).items():
+            await sandbox.write_file(path, data)
+        return await sandbox.exec(f"bash {SOLUTION_DIR}/solve.sh", timeout_s=t.agent_timeout_s,
+                                  env=t.solution_env or None)
 
 
 def _container_message(t: HarborTask) -> str:

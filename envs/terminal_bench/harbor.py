@@ -4,17 +4,20 @@ Why not import harbor: it needs Python >= 3.12 and a container runtime, while en
 must run anywhere (CPU nodes, laptops, another Python). The reader takes what an episode needs:
 
     task.toml        [metadata] difficulty/category/tags, [verifier]/[agent]/[solution] timeout_sec
-                     and env, [environment] docker_image / memory_mb / env (both old "version" and
-                     new "schema_version" + [task] layouts are accepted)
+                     and env, [environment] docker_image / memory_mb / cpus / env / workdir /
+                     network_mode / allow_internet (both old "version" and new "schema_version" +
+                     [task] layouts are accepted)
     instruction.md   the prompt, verbatim
-    environment/     a Dockerfile (optional here) and the files the Dockerfile copies in
+    environment/     a Dockerfile (optional here) and the files it copies in, or a docker-compose.yaml
+                     with one service (its build, environment, working_dir, network_mode)
     tests/test.sh    the verifier; writes a number to /logs/verifier/reward.txt (or reward.json)
     solution/solve.sh  the oracle (optional)
 
-A task runs in the local sandbox when it needs nothing but files: no ``docker_image``, no compose
-file, and a Dockerfile (if any) made only of FROM/WORKDIR/COPY/ADD/ENV/ARG/LABEL/USER lines. Anything
-else (a RUN that installs packages, services, GPUs) needs the task's own container image; such tasks
-are still parsed and listed, with the reasons, so the caller can route or refuse them.
+A task runs in the local sandbox when its image can be reproduced on this host (``dockerfile``: ENV,
+WORKDIR, COPY, and RUN steps that need only host tools, run as setup commands before the agent).
+Anything else (a RUN that installs packages, several services, a prebuilt image, GPUs) needs the
+task's own container image; such tasks are still parsed and listed, with the reasons
+(``container_reasons``), so the caller can route or refuse them.
 
 Symlinks. A task set is downloaded, so a link in it is untrusted: followed on the host, it would copy
 ``~/.ssh`` or a token into the sandbox and from there into logged trajectories. Every file is staged
@@ -31,7 +34,6 @@ import math
 import os
 import posixpath
 import re
-import shlex
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,11 +41,13 @@ from typing import Any
 
 from miles_agent.errors import UserError
 
+from . import dockerfile
+from .dockerfile import ComposeService, DockerPlan, SetupStep, read_compose
+
 #: Files in environment/ that describe the image and are never copied into the workspace.
 IMAGE_FILES = frozenset({"Dockerfile", ".dockerignore", "docker-compose.yaml", "docker-compose.yml"})
-#: Dockerfile instructions the local sandbox can honour without building an image.
-LOCAL_INSTRUCTIONS = frozenset({"FROM", "WORKDIR", "COPY", "ADD", "ENV", "ARG", "LABEL", "USER",
-                                "MAINTAINER", "CMD", "ENTRYPOINT", "SHELL"})
+#: Top-level folders the local sandbox shows read-only from the host (a working directory there needs an image).
+SYSTEM_TOPS = frozenset({"usr", "etc", "proc", "dev", "sys", "bin", "sbin", "lib", "lib32", "lib64", "libx32"})
 DEFAULT_TIMEOUT_S = 600.0  # Harbor's default for both the agent and the verifier
 
 
@@ -70,11 +74,22 @@ class HarborTask:
     verifier_timeout_s: float = DEFAULT_TIMEOUT_S
     memory_mb: int | None = None
     docker_image: str | None = None
-    workdir: str | None = None  # the Dockerfile's WORKDIR; mapped onto the sandbox workspace
-    env: dict[str, str] = field(default_factory=dict)  # [environment] env + Dockerfile ENV
+    # The default cwd at its real path: [environment] workdir, the compose service's working_dir, or the
+    # Dockerfile's final WORKDIR; None: none given (the sandbox's own workspace).
+    workdir: str | None = None
+    # Dockerfile ENV (expanded as Docker does, ``${PATH}`` against the base image's), then the compose
+    # service's environment, then [environment] env.
+    env: dict[str, str] = field(default_factory=dict)
+    network: bool = False  # the task asks for the network (network_mode / allow_internet / compose)
+    cpus: float | None = None  # [environment] cpus, or the compose service's
+    compose: ComposeService | None = None  # the single service of environment/docker-compose.yaml
+    build_context: Path | None = None  # the image's build context (environment/, or the compose build's)
+    dockerfile: str | None = None  # its Dockerfile, relative to build_context; None: no Dockerfile
+    setup: tuple[SetupStep, ...] = ()  # RUN steps the local sandbox runs before the agent, in order
+    workdirs: tuple[str, ...] = ()  # every WORKDIR the Dockerfile creates
     verifier_env: dict[str, str] = field(default_factory=dict)
     solution_env: dict[str, str] = field(default_factory=dict)
-    files: dict[str, Path] = field(default_factory=dict)  # workspace-relative path -> source file
+    files: dict[str, Path] = field(default_factory=dict)  # workdir-relative or absolute path -> source file
     container_reasons: tuple[str, ...] = ()  # why the task needs its own image; empty = runs locally
 
     @property
@@ -217,103 +232,47 @@ def _walk(real_dir: Path, rel: str, root: Path, ancestors: frozenset[Path], out:
                                       "remove it from the task folder")
 
 
-# -- the Dockerfile: what the local sandbox can reproduce ------------------------------------------
+# -- the image's files: what COPY puts where ------------------------------------------------------
 
-@dataclass
-class _DockerPlan:
-    workdir: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    copies: list[tuple[str, str]] = field(default_factory=list)  # (context-relative source, destination)
-    reasons: list[str] = field(default_factory=list)
-
-
-def _dockerfile_lines(text: str) -> list[str]:
-    """Instructions with line continuations joined and comments dropped."""
-    out, pending = [], ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        out.append(pending + line)
-        pending = ""
-    if pending.strip():
-        out.append(pending)
-    return out
-
-
-def _parse_env(args: str) -> dict[str, str]:
-    parts = shlex.split(args)
-    if parts and "=" not in parts[0]:  # legacy "ENV NAME value with spaces"
-        return {parts[0]: " ".join(parts[1:])}
-    return dict(p.split("=", 1) for p in parts if "=" in p)
-
-
-def plan_dockerfile(text: str) -> _DockerPlan:
-    """Read a Dockerfile as a recipe for the local sandbox; anything it cannot honour becomes a reason."""
-    plan = _DockerPlan()
-    for line in _dockerfile_lines(text):
-        word, _, args = line.partition(" ")
-        op = word.upper()
-        if op not in LOCAL_INSTRUCTIONS:
-            plan.reasons.append(f"its Dockerfile has `{line[:60]}`")
-        elif op == "WORKDIR":
-            plan.workdir = posixpath.normpath(posixpath.join(plan.workdir or "/", args.strip()))
-        elif op == "ENV":
-            plan.env.update(_parse_env(args))
-        elif op in ("COPY", "ADD"):
-            _plan_copy(plan, args)
-    return plan
-
-
-def _plan_copy(plan: _DockerPlan, args: str) -> None:
-    parts = [p for p in shlex.split(args) if not p.startswith("--")]
-    flags = [p for p in shlex.split(args) if p.startswith("--")]
-    if len(parts) < 2 or any(f.startswith("--from") for f in flags) or "://" in args:
-        plan.reasons.append(f"its Dockerfile copies from outside the build context (`{args[:60]}`)")
-        return
-    *sources, dest = parts
-    into_dir = dest.endswith("/")
-    dest = posixpath.normpath(posixpath.join(plan.workdir or "/", dest))
-    dest = dest + "/" if into_dir and dest != "/" else dest
-    for src in sources:
-        plan.copies.append((src, dest))
-
-
-def _workspace_files(task_dir: Path, plan: _DockerPlan | None, where: Path) -> dict[str, Path]:
-    """Workspace-relative path -> file. Without a Dockerfile every file in environment/ is copied."""
-    env_dir = task_dir / "environment"
-    if not env_dir.is_dir():
+def image_files(task_dir: Path, plan: DockerPlan | None, where: Path, context: Path | None = None,
+                workdir: str | None = None) -> dict[str, Path]:
+    """Path -> file: relative to the final ``workdir`` where it lies inside it, else absolute. Without
+    a Dockerfile every file in environment/ is copied into the workdir."""
+    context_dir = context or task_dir / "environment"
+    if not context_dir.is_dir():
         return {}
     if plan is None:
-        return {rel: p for rel, p in staged_files(env_dir, task_dir) if posixpath.basename(rel) not in IMAGE_FILES}
+        return {rel: p for rel, p in staged_files(context_dir, task_dir) if posixpath.basename(rel) not in IMAGE_FILES}
     files: dict[str, Path] = {}
-    root = (plan.workdir or "/").rstrip("/")
+    root = (workdir or plan.workdir or "/").rstrip("/")
     for src, dest in plan.copies:
-        if not (dest.rstrip("/") + "/").startswith(root + "/"):
-            plan.reasons.append(f"its Dockerfile copies {src} to {dest}, outside WORKDIR {root or '/'}")
-            continue
-        rel = dest.rstrip("/")[len(root):].strip("/")
-        sources = _copy_sources(task_dir, src, where)
+        sources = _copy_sources(task_dir, context_dir, src, where)
         for source in sources:
+            into_dir = dest.endswith("/") or len(sources) > 1 or source.is_dir()
+            base = dest.rstrip("/") or "/"
             if source.is_dir():
-                for sub, p in staged_files(source, task_dir):
-                    if posixpath.basename(sub) not in IMAGE_FILES:
-                        files[f"{rel}/{sub}".lstrip("/")] = p
-            elif source.name not in IMAGE_FILES:
-                into_dir = dest.endswith("/") or len(sources) > 1 or not rel
-                files[f"{rel}/{source.name}".lstrip("/") if into_dir else rel] = source
+                items = [(posixpath.join(base, sub), p) for sub, p in staged_files(source, task_dir)]
+            else:
+                items = [(posixpath.join(base, source.name) if into_dir else base, source)]
+            for target, p in items:
+                if posixpath.basename(target) in IMAGE_FILES:
+                    continue
+                inside = root and (target + "/").startswith(root + "/")
+                files[target[len(root):].lstrip("/") if inside else target] = p
     return files
 
 
-def _copy_sources(task_dir: Path, src: str, where: Path) -> list[Path]:
-    """The resolved files/folders a COPY source names; they must lie in environment/ (Docker's build
-    context), and a link among them may not leave the task folder."""
-    env_dir = task_dir / "environment"
-    context = env_dir.resolve()
-    matches = sorted(env_dir.glob(src)) if any(c in src for c in "*?[") else [env_dir / src]
+def plan_dockerfile(text: str) -> DockerPlan:
+    """A Dockerfile read as a recipe for the local sandbox (see `dockerfile.plan_dockerfile`)."""
+    return dockerfile.plan_dockerfile(text)
+
+
+def _copy_sources(task_dir: Path, context_dir: Path, src: str, where: Path) -> list[Path]:
+    """The resolved files/folders a COPY source names; they must lie in the build context, and a link
+    among them may not leave the task folder."""
+    context = context_dir.resolve()
+    src = src.rstrip("/") or "."
+    matches = sorted(context_dir.glob(src)) if any(c in src for c in "*?[") else [context_dir / src]
     resolved = []
     for match in matches:
         try:
@@ -322,7 +281,7 @@ def _copy_sources(task_dir: Path, src: str, where: Path) -> list[Path]:
             source = None
         if source is None or not source.is_relative_to(context):
             raise TaskFormatError(f"{where.parent / 'environment' / 'Dockerfile'}: COPY source {src!r} is "
-                                  f"not in {env_dir}; add it there or fix the COPY line")
+                                  f"not in {context_dir}; add it there or fix the COPY line")
         resolved.append(source)
     return resolved
 
@@ -353,7 +312,44 @@ def _read_instruction(task_dir: Path) -> str:
     return text
 
 
-def _container_plan(task_dir: Path, env_section: dict[str, Any]) -> tuple[_DockerPlan | None, list[str]]:
+NETWORK_MODES = {"public": True, "allowlist": True, "no-network": False}
+
+
+def _network(data: dict[str, Any], env_section: dict[str, Any], compose: ComposeService | None,
+             where: Path) -> bool:
+    """Whether the task asks for the network: ``network_mode`` ("public"/"allowlist") of [environment],
+    [agent] or [verifier], the older ``allow_internet``, or its compose service's ``network_mode``.
+    Unsaid: no network (Harbor's own default is public; here a task must ask)."""
+    asks = []
+    for section in (env_section, _table(data, "agent", where), _table(data, "verifier", where)):
+        mode = section.get("network_mode")
+        if mode is not None:
+            if mode not in NETWORK_MODES:
+                raise TaskFormatError(f"{where}: network_mode = {mode!r} is not one of "
+                                      f"{', '.join(map(repr, NETWORK_MODES))}")
+            asks.append(NETWORK_MODES[mode])
+    if "allow_internet" in env_section:
+        if not isinstance(env_section["allow_internet"], bool):
+            raise TaskFormatError(f"{where}: [environment] allow_internet must be true or false")
+        asks.append(env_section["allow_internet"])
+    if not asks and compose is not None and compose.network is not None:
+        asks.append(compose.network)
+    return any(asks)
+
+
+def _cpus(env_section: dict[str, Any], compose: ComposeService | None, where: Path) -> float | None:
+    value = env_section.get("cpus", compose.cpus if compose else None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise TaskFormatError(f"{where}: [environment] cpus must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _container_plan(task_dir: Path, env_section: dict[str, Any]
+                    ) -> tuple[DockerPlan | None, ComposeService | None, Path | None, list[str]]:
+    """The image recipe: the Dockerfile (of the compose service's build, if there is one), the compose
+    service, the build context, and the reasons the local sandbox cannot reproduce it."""
     reasons: list[str] = []
     image = env_section.get("docker_image")
     if image is not None and (not isinstance(image, str) or not image.strip()):
@@ -361,15 +357,44 @@ def _container_plan(task_dir: Path, env_section: dict[str, Any]) -> tuple[_Docke
                               f"such as \"python:3.12-slim\", got {image!r}")
     if image:
         reasons.append(f"it names its own image ({image})")
-    for compose in ("docker-compose.yaml", "docker-compose.yml"):
-        if (task_dir / "environment" / compose).is_file():
-            reasons.append(f"it starts services (environment/{compose})")
+    env_dir = task_dir / "environment"
+    compose = None
+    for name in ("docker-compose.yaml", "docker-compose.yml"):
+        if (env_dir / name).is_file():
+            compose = read_compose((env_dir / name).read_text(encoding="utf-8"), f"environment/{name}")
+            reasons += compose.reasons
+            if compose.image and not image:
+                reasons.append(f"its compose service runs the image {compose.image}")
+            break
     gpus = env_section.get("gpus", 0)
     if isinstance(gpus, int) and gpus > 0:
         reasons.append(f"it asks for {gpus} GPU(s)")
-    dockerfile = task_dir / "environment" / "Dockerfile"
-    plan = plan_dockerfile(dockerfile.read_text(encoding="utf-8")) if dockerfile.is_file() else None
-    return plan, reasons
+    context = env_dir
+    dockerfile_name = "Dockerfile"
+    if compose is not None and compose.context is not None:
+        context = (env_dir / compose.context)
+        dockerfile_name = compose.dockerfile
+        if not context.resolve().is_relative_to(task_dir.resolve()):
+            raise TaskFormatError(f"{env_dir}: the compose build context {compose.context!r} leaves the task "
+                                  "folder; keep the build context inside environment/")
+    dockerfile_path = context / dockerfile_name
+    plan = None
+    if dockerfile_path.is_file():
+        plan = plan_dockerfile(dockerfile_path.read_text(encoding="utf-8"))
+        reasons += plan.reasons
+    return plan, compose, (context if context.is_dir() else None), reasons
+
+
+def _workdir(env_section: dict[str, Any], compose: ComposeService | None, plan: DockerPlan | None,
+             where: Path) -> str | None:
+    """The default cwd: [environment] workdir, else the compose service's working_dir, else WORKDIR."""
+    value = env_section.get("workdir") or (compose.working_dir if compose else None) or (plan.workdir if plan else None)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise TaskFormatError(f"{where}: the working directory must be an absolute path such as \"/app\", "
+                              f"got {value!r}")
+    return posixpath.normpath(value)
 
 
 def load_task(task_dir: str | Path) -> HarborTask:
@@ -393,13 +418,16 @@ def load_task(task_dir: str | Path) -> HarborTask:
     task_section = _table(data, "task", toml_path)
     env_section = _table(data, "environment", toml_path)
     verifier, agent = _table(data, "verifier", toml_path), _table(data, "agent", toml_path)
-    plan, reasons = _container_plan(task_dir, env_section)
-    files = _workspace_files(task_dir, plan, toml_path)
-    if plan is not None:
-        reasons += plan.reasons
+    plan, compose, context, reasons = _container_plan(task_dir, env_section)
+    workdir = _workdir(env_section, compose, plan, toml_path)
+    files = image_files(task_dir, plan, toml_path, context, workdir) if context else {}
+    if workdir is not None and workdir.strip("/").split("/")[0] in SYSTEM_TOPS:
+        reasons.append(f"its working directory {workdir} is in a system folder (read-only in the local sandbox)")
     split = data.get("split", meta.get("split"))
     if split is not None and not isinstance(split, str):
         raise TaskFormatError(f"{toml_path}: split must be a string such as \"train\", got {split!r}")
+    env = {**(plan.env if plan else {}), **(compose.env if compose else {}),
+           **_str_map(env_section, "environment", toml_path)}
     return HarborTask(
         name=task_dir.name, path=task_dir, instruction=instruction,
         difficulty=str(meta.get("difficulty", "unknown")), category=str(meta.get("category", "")),
@@ -407,11 +435,13 @@ def load_task(task_dir: str | Path) -> HarborTask:
         agent_timeout_s=_timeout(agent, "agent", toml_path),
         verifier_timeout_s=_timeout(verifier, "verifier", toml_path),
         memory_mb=_memory_mb(env_section, toml_path), docker_image=env_section.get("docker_image") or None,
-        workdir=plan.workdir if plan else None,
-        env={**(plan.env if plan else {}), **_str_map(env_section, "environment", toml_path)},
+        workdir=workdir, env=env, network=_network(data, env_section, compose, toml_path),
+        cpus=_cpus(env_section, compose, toml_path), compose=compose,
+        build_context=context, dockerfile=(compose.dockerfile if compose and compose.context else "Dockerfile")
+        if plan else None, setup=tuple(plan.steps) if plan else (), workdirs=tuple(plan.workdirs) if plan else (),
         verifier_env=_str_map(verifier, "verifier", toml_path),
         solution_env=_str_map(_table(data, "solution", toml_path), "solution", toml_path),
-        files=files, container_reasons=tuple(reasons))
+        files=files, container_reasons=tuple(dict.fromkeys(reasons)))
 
 
 def load_tasks(tasks_dir: str | Path) -> list[HarborTask]:

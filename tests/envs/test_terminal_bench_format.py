@@ -19,7 +19,7 @@ from miles_agent.envs.terminal_bench import (
     load_task,
     load_tasks,
 )
-from miles_agent.envs.terminal_bench.env import BUILD_IMAGE_PREFIX, _format_output, _Layout, _parse_reward
+from miles_agent.envs.terminal_bench.env import BUILD_IMAGE_PREFIX, _format_output, _parse_reward
 from miles_agent.errors import UserError
 from miles_agent.sandbox import ExecResult
 
@@ -136,24 +136,11 @@ def test_dockerfile_with_only_files_runs_locally_with_workdir_mapped(tmp_path):
     assert "apt-get" in load_task(d2).container_reasons[0]
     d3 = make_task(tmp_path, "t3", files={"environment/Dockerfile": "FROM ubuntu\nWORKDIR /app\nCOPY x /etc/x\n",
                                           "environment/x": "x"})
-    assert "outside WORKDIR" in load_task(d3).container_reasons[0]
+    assert "/etc/x (a read-only system folder" in load_task(d3).container_reasons[0]
     d4 = make_task(tmp_path, "t4", files={"environment/docker-compose.yaml": "services: {}\n",
                                           "environment/f.txt": "f"})
     t4 = load_task(d4)
     assert "services" in t4.container_reasons[0] and list(t4.files) == ["f.txt"]
-
-
-def test_layout_rewrites_harbor_paths_only_where_a_path_starts():
-    lay = _Layout("/ws", native=False, workdir="/app")
-    src = ('echo 1 > /logs/verifier/reward.txt\npython3 /tests/check.py "/app/x"\n'
-           'cp ./tests/a b/tests/c ${D}/tests/e /solution/solve.sh\ncd /app; cat /applesauce\n')
-    out = lay.rewrite(src)
-    assert "/ws/.harbor/logs/verifier/reward.txt" in out and "/ws/.harbor/tests/check.py" in out
-    assert '"/ws/x"' in out and "cd /ws;" in out and "/applesauce" in out
-    assert "./tests/a b/tests/c ${D}/tests/e /ws/.harbor/solution/solve.sh" in out
-    assert lay.write_path("/ws/.harbor/tests/t.sh") == ".harbor/tests/t.sh"
-    native = _Layout("/", native=True, workdir="/app")
-    assert native.rewrite(src) == src and native.write_path("/tests/t.sh") == "/tests/t.sh"
 
 
 @pytest.mark.parametrize("kind, body, want", [

@@ -127,11 +127,11 @@ def test_the_copy_planner_checks_links_on_its_own(tmp_path, secret):
     os.symlink(secret_path, task / "environment" / "conf" / "app.ini")
     plan = harbor.plan_dockerfile(COPYING_DOCKERFILE)
     with pytest.raises(TaskSymlinkError, match=r"app\.ini is a symlink"):
-        harbor._workspace_files(task, plan, task / "task.toml")
+        harbor.image_files(task, plan, task / "task.toml")
     (task / "environment" / "data.txt").unlink()
     os.symlink(secret_path, task / "environment" / "data.txt")
     with pytest.raises(TaskSymlinkError, match=r"data\.txt is a symlink"):
-        harbor._workspace_files(task, harbor.plan_dockerfile("COPY data.txt /app/\n"), task / "task.toml")
+        harbor.image_files(task, harbor.plan_dockerfile("COPY data.txt /app/\n"), task / "task.toml")
 
 
 def test_staged_files_refuses_what_the_verifier_stager_would_follow(tmp_path, secret):

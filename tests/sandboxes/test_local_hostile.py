@@ -82,11 +82,19 @@ def test_file_api_refuses_paths_and_symlinks_leading_out(host_secrets, openat2, 
             await sb.start(SandboxSpec(files={"ok.txt": b"fine"}))
             await sb.exec(f"ln -s {home_secret} abs; ln -s ../../../../../../..{home_secret} rel; "
                           f"ln -s {home_secret.parent} dir; ln -s /etc/passwd etc; ln -s ok.txt inside")
-            for path in ("../x", "/etc/passwd", "/tmp/x", f"{sb.root}/fs/workspace/ok.txt", "a/../../x"):
+            for path in ("../x", "/etc/passwd", "/usr/bin/x", "/proc/self/environ", "/", "a/../../x"):
                 with pytest.raises(PermissionError):
                     await sb.read_file(path)
                 with pytest.raises(PermissionError):
                     await sb.write_file(path, b"pwned")
+            # Any other absolute path is in the sandbox's own root (SandboxSpec.files), never the host's.
+            host_twin = f"{sb.root}/fs/workspace/ok.txt"
+            for path in ("/tmp/x", host_twin, "/root/../../tmp/y"):
+                await sb.write_file(path, b"mine")
+                assert await sb.read_file(path) == b"mine"
+            assert (await sb.exec(f"cat /tmp/x /tmp/y {host_twin}")).stdout == "mine" * 3
+            assert not os.path.exists("/tmp/x") and not os.path.exists("/tmp/y")
+            assert open(os.path.join(sb.host_path(), "ok.txt"), "rb").read() == b"fine"
             for link in ("abs", "rel", f"dir/{home_secret.name}", "etc"):
                 with pytest.raises((PermissionError, FileNotFoundError)):
                     await sb.read_file(link)
