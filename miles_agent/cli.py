@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--policy", default="model", help="'model' (the checkpoint or warm start) or 'oracle'")
     e.add_argument("--split", default="eval")
     e.add_argument("--limit", type=int, help="evaluate at most this many tasks")
+    e.add_argument("--job-dir", help="where the job folder goes (default RUN_DIR/eval/<time>)")
 
     from miles_agent.registry import KINDS
 
@@ -107,9 +108,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from miles_agent.evaluate import evaluate
 
     cfg = _config(args)
-    result = asyncio.run(evaluate(cfg, policy=args.policy, split=args.split, limit=args.limit))
-    print(f"{cfg.env.name} [{args.split}] policy={args.policy}: reward {result['reward_mean']:.3f} "
-          f"over {int(result['episodes'])} episodes ({int(result['failed'])} failed)")
+    from miles_agent.evaluate import format_table
+
+    report = asyncio.run(evaluate(cfg, policy=args.policy, split=args.split, limit=args.limit, job_dir=args.job_dir))
+    if report.rows:
+        print(format_table(report.rows))
+    print(f"{cfg.env.name} [{args.split}] policy={args.policy}: reward {report['reward_mean']:.3f} "
+          f"over {int(report['episodes'])} episodes ({int(report['failed'])} failed); "
+          f"per-task results in {report.job_dir}/results.jsonl")
     return 0
 
 

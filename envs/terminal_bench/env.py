@@ -122,6 +122,19 @@ class TerminalBenchSession(EnvSession):
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.agent_time_s = 0.0  # summed command time, held against the task's [agent] timeout_sec
         self.verifier_result: ExecResult | None = None  # kept for logs and debugging
+        self.setup_steps, self.setup_s = 0, 0.0  # the Dockerfile RUN steps run locally before the agent
+
+    def result_details(self) -> dict[str, Any]:
+        """For eval's per-task results: the verifier's exit code, output (tail and whole) and time, and
+        the local setup steps' time."""
+        v = self.verifier_result
+        out: dict[str, Any] = {"setup_steps": self.setup_steps, "setup_duration_s": round(self.setup_s, 3),
+                               "agent_duration_s": round(self.agent_time_s, 3)}
+        if v is not None:
+            text = v.stdout + v.stderr
+            out |= {"verifier_exit_code": v.exit_code, "verifier_duration_s": round(v.duration_s, 3),
+                    "verifier_timed_out": v.timed_out, "verifier_tail": text[-2000:], "verifier_stdout": text}
+        return out
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         if name != "bash":
@@ -273,9 +286,11 @@ class TerminalBenchEnv(Environment):
         if executable:
             _check(await sandbox.exec("chmod +x -- " + " ".join(shlex.quote(p) for p in executable),
                                       timeout_s=30), "marking environment scripts executable")
+        session = TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars)
         if getattr(sandbox, "name", "") == "local":  # a container backend built the RUN steps into its image
-            await run_setup(t, sandbox)
-        return TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars)
+            steps = await run_setup(t, sandbox)
+            session.setup_steps, session.setup_s = len(steps), sum(r.duration_s for r in steps)
+        return session
 
     async def oracle_solve(self, task: Task | str, sandbox: Sandbox) -> ExecResult:
         """Run the task's solution/solve.sh in the sandbox (the oracle policy); the caller scores after."""
