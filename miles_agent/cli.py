@@ -114,7 +114,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if report.rows:
         print(format_table(report.rows))
     print(f"{cfg.env.name} [{args.split}] policy={args.policy}: reward {report['reward_mean']:.3f} "
-          f"over {int(report['episodes'])} episodes ({int(report['failed'])} failed); "
+          f"over {int(report['episodes'])} episodes ({int(report['failed'])} failed, "
+          f"{int(report.metrics.get('refused', 0))} refused); "
           f"per-task results in {report.job_dir}/results.jsonl")
     return 0
 

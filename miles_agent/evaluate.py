@@ -49,7 +49,7 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
     job = Path(job_dir) if job_dir else Path(cfg.run.run_dir) / "eval" / datetime.now().strftime("%Y%m%d-%H%M%S")
     if policy == "oracle" and hasattr(env, "oracle_solve"):
         runner = EpisodeRunner(env, harness=None, make_sandbox=make_sandbox)  # type: ignore[arg-type]
-        rows = await _solve_with_oracle(runner, tasks, cfg.rollout.concurrency)
+        rows = await _solve_with_oracle(runner, tasks, cfg.rollout.concurrency) + _refused(env, tasks, limit)
         return write_job(job, rows, {"env": cfg.env.name, "split": split, "policy": policy,
                                      "sandbox": cfg.env.sandbox})
     if policy == "oracle":
@@ -75,6 +75,7 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
             await engine.shutdown()
     rows = [_row(t.task_id, t.reward, t.reward_parts, t.metadata.get("error"),
                  {"status": t.status.value, "attempts": t.metadata.get("attempts")}) for t in trajs]
+    rows += _refused(env, tasks, limit)
     return write_job(job, rows, {"env": cfg.env.name, "split": split, "policy": policy, "sandbox": cfg.env.sandbox},
                      rollout_metrics(trajs))
 
@@ -122,6 +123,17 @@ async def _solve_with_oracle(runner: EpisodeRunner, tasks: list[Any], concurrenc
     return list(await asyncio.gather(*(one(t) for t in tasks)))
 
 
+def _refused(env: Any, tasks: list[Any], limit: int | None) -> list[dict[str, Any]]:
+    """Rows for the tasks the environment left out of this configuration (its ``excluded``: a task
+    that needs a container no engine can give), each with the one-line reason."""
+    if limit:
+        return []
+    ran = {t.id for t in tasks}
+    excluded = getattr(env, "excluded", None) or {}
+    return [{"task": name, "reward": None, "parts": {}, "failed": False, "refused": True, "reason": why,
+             "route": {"backend": "refused", "reason": why}} for name, why in sorted(excluded.items()) if name not in ran]
+
+
 def _row(task_id: str, reward: float | None, parts: dict[str, float], error: str | None, extra: dict[str, Any],
          duration_s: float | None = None) -> dict[str, Any]:
     """One task's result, with the reason of any reward below 1 (its error, a failure part, or the
@@ -148,7 +160,9 @@ def write_job(job: Path, rows: list[dict[str, Any]], about: dict[str, Any],
     """The job folder: results.jsonl, summary.json, and each task's verifier output."""
     scored = [r["reward"] for r in rows if not r["failed"] and r["reward"] is not None]
     out = dict(metrics or {})
-    out |= {"episodes": float(len(rows)), "failed": float(sum(r["failed"] for r in rows)),
+    refused = sum(bool(r.get("refused")) for r in rows)
+    out |= {"episodes": float(len(rows) - refused), "failed": float(sum(r["failed"] for r in rows)),
+            "refused": float(refused),
             "reward_mean": sum(scored) / len(scored) if scored else float("nan"),
             "solved": float(sum(1 for r in scored if r >= 1))}
     job.mkdir(parents=True, exist_ok=True)

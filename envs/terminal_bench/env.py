@@ -214,14 +214,16 @@ class TerminalBenchEnv(Environment):
     description: ClassVar[str] = "Shell tasks in Harbor format: one bash tool in a sandbox, scored by the task's test.sh"
     needs_sandbox: ClassVar[bool] = True
     default_harness: ClassVar[str] = "terminal"  # the Terminus-style loop, which drives the bash tool
-    env_keys: ClassVar[tuple[str, ...]] = ("sandbox",)  # which backend runs the tasks (see `excluded`)
+    env_keys: ClassVar[tuple[str, ...]] = ("sandbox", "sandbox_options")  # which backend runs the tasks
 
     def __init__(self, tasks_dir: str | Path | None = None, *, sandbox: str = "local",
+                 sandbox_options: dict[str, Any] | None = None,
                  command_timeout_s: float = 60.0, max_output_chars: int = 8000) -> None:
         """``sandbox`` names the configured backend: with "local", tasks that need their own image are
-        left out of `tasks` (see `excluded`) because running them on the host would be wrong."""
+        left out of `tasks` (see `excluded`) because running them on the host would be wrong; with
+        "auto", only when no container engine is reachable (``sandbox_options``: auto's options)."""
         self.tasks_dir = Path(tasks_dir) if tasks_dir else SHIPPED_TASKS
-        self.sandbox = sandbox
+        self.sandbox, self.sandbox_options = sandbox, dict(sandbox_options or {})
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.harbor_tasks = {t.name: t for t in load_tasks(self.tasks_dir)}
         self._warned = False
@@ -229,9 +231,31 @@ class TerminalBenchEnv(Environment):
     @property
     def excluded(self) -> dict[str, str]:
         """Tasks this configuration cannot run, with the reason (empty unless the sandbox is local)."""
+        if self.sandbox == "auto":
+            ok, why = self.container_engine()
+            return {} if ok else {t.name: f"task {t.name} needs its container ({'; '.join(t.container_reasons)}), "
+                                          f"but {why}" for t in self.harbor_tasks.values() if t.needs_container}
         if self.sandbox != "local":
             return {}
         return {t.name: _container_message(t) for t in self.harbor_tasks.values() if t.needs_container}
+
+    def container_engine(self) -> tuple[bool, str]:
+        """Whether the ``auto`` sandbox reaches a container engine, and where or why not."""
+        from miles_agent import registry
+
+        return registry.load("sandboxes", "auto").container_engine_of(self.sandbox_options)
+
+    def routes(self) -> dict[str, tuple[str, str]]:
+        """Where ``auto`` sends each task and why: (backend or "refused", reason)."""
+        out = {}
+        for t in self.harbor_tasks.values():
+            if not t.needs_container:
+                out[t.name] = ("local", "it needs only this host's tools" +
+                               (f" ({len(t.setup)} Dockerfile RUN step(s) run locally)" if t.setup else ""))
+            else:
+                ok, why = self.container_engine()
+                out[t.name] = ("docker" if ok else "refused", f"{'; '.join(t.container_reasons)}; {why}")
+        return out
 
     def tasks(self, split: str = "train") -> list[Task]:
         chosen = [t for t in self.harbor_tasks.values()
@@ -241,10 +265,14 @@ class TerminalBenchEnv(Environment):
             raise UserError(f"terminal-bench: no task in {self.tasks_dir} belongs to split {split!r}; "
                             f"its splits are: {', '.join(splits) or 'none declared (every split)'}, or 'all'")
         excluded = self.excluded
-        if excluded and not self._warned:
+        if self.sandbox == "auto" and not self._warned:
+            for name, (backend, why) in sorted(self.routes().items()):
+                log.info("terminal-bench: task %s -> %s: %s", name, backend, why)
+        if not self._warned:
             self._warned = True
-            log.warning("terminal-bench: %d task(s) need their own container image and are left out with the "
-                        "local sandbox: %s", len(excluded), "; ".join(excluded.values()))
+            if excluded:
+                log.warning("terminal-bench: %d task(s) need their own container image and are left out with the "
+                            "%s sandbox: %s", len(excluded), self.sandbox, "; ".join(excluded.values()))
         runnable = [t for t in chosen if t.name not in excluded]
         if not runnable:
             raise UserError(f"terminal-bench: all {len(chosen)} task(s) of split {split!r} in {self.tasks_dir} "
@@ -280,14 +308,15 @@ class TerminalBenchEnv(Environment):
         t = self.harbor_task(task)
         if sandbox is None:
             raise UserError("terminal-bench needs a sandbox; start one from sandbox_spec(task) and pass it to open")
-        if t.needs_container and getattr(sandbox, "name", "") == "local":
+        backend = (getattr(sandbox, "route", None) or {}).get("backend") or getattr(sandbox, "name", "")
+        if t.needs_container and backend == "local":
             raise UserError(f"terminal-bench: {_container_message(t)}")
         executable = [rel for rel, src in t.files.items() if src.stat().st_mode & 0o111]
         if executable:
             _check(await sandbox.exec("chmod +x -- " + " ".join(shlex.quote(p) for p in executable),
                                       timeout_s=30), "marking environment scripts executable")
         session = TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars)
-        if getattr(sandbox, "name", "") == "local":  # a container backend built the RUN steps into its image
+        if backend == "local":  # a container backend built the RUN steps into its image
             steps = await run_setup(t, sandbox)
             session.setup_steps, session.setup_s = len(steps), sum(r.duration_s for r in steps)
         return session
