@@ -49,8 +49,26 @@ def host_binds(run: VerifierRun, tops: list[str]) -> list[tuple[str, str]]:
         if not os.path.isdir(real):
             raise UserError(f"verifier host folder {host!r} (for {inside}) is not a folder on this machine; "
                             "provision it first or drop it from VerifierRun.host_dirs")
+        if os.geteuid() == 0 and not _others_may_read(real):  # the sandbox's own uid mounts it
+            raise UserError(f"verifier host folder {host!r} (for {inside}) cannot be read by the sandbox's "
+                            "unprivileged uid; make it and every folder above it readable by others "
+                            "(chmod o+rx), e.g. provision it under /opt")
         binds.append((real, norm))
     return binds
+
+
+def _others_may_read(path: str) -> bool:
+    """Whether any uid may list ``path``: it readable and enterable by others, every folder above enterable."""
+    try:
+        if os.stat(path).st_mode & 0o005 != 0o005:
+            return False
+        while path != "/":
+            path = os.path.dirname(path)
+            if not os.stat(path).st_mode & 0o001:
+                return False
+    except OSError:
+        return False
+    return True
 
 
 def stage(view: str, tops: list[str], run: VerifierRun) -> None:

@@ -445,7 +445,7 @@ class LocalSandbox(Sandbox):
                     errno.ENOSPC, errno.EDQUOT, errno.ENOTEMPTY, errno.EISDIR):
                 raise
             return VerifierResult(None, setup_error=f"preparing the verifier's folders in the agent's root: {e}")
-        env = self._command_env({**VERIFIER_PYTHON_ENV, **run.env}, base={})
+        env = self._command_env({**VERIFIER_PYTHON_ENV, **run.env})  # the image's ENV too, as a container has it
         layout = {"root": self._fs_root, "binds": binds, "ro_binds": ro_binds, "chdir": self.workdir,
                   "share_net": self.network}
         result = await self._run(run.command, run.timeout_s, None, env, layout)
