@@ -76,6 +76,9 @@ def staged_etc(network: bool = False) -> str:
     for name in NETWORK_ETC if network else ():
         os.unlink(os.path.join(etc, name))
         _copy_entry(os.path.realpath(f"/etc/{name}"), os.path.join(etc, name))
+    if network:  # names resolve through the host's resolver, as in a container on the host's network
+        with open(os.path.join(etc, "nsswitch.conf"), "w") as f:
+            f.write(SYNTHESIZED_ETC["nsswitch.conf"].replace("hosts: files", "hosts: files dns"))
     atexit.register(shutil.rmtree, etc, ignore_errors=True)
     _staged_etc[network] = etc
     return etc

@@ -4,7 +4,8 @@ What is reproduced: ENV and ARG with Docker's substitution (``$VAR``, ``${VAR}``
 ``${VAR:+alt}``, quotes and backslashes) against the base image's default environment (PATH as in
 the Debian and python images); WORKDIR relative to the previous one; COPY/ADD from the build
 context; USER; and RUN steps that need only this host's tools, kept in order with the ENV, ARG
-and WORKDIR in effect at that line, to run as setup commands before the agent. Whatever needs an
+and WORKDIR in effect at that line, to run as setup commands before the agent. A RUN that only
+installs apt packages this host already has is satisfied by the host's (`apt_only`). Whatever needs an
 image of its own -- a package manager or the network in a RUN, a tool this host lacks, a second
 stage, a non-root USER, a write into the system folders -- becomes a reason, and the task is routed
 to a container with it.
@@ -73,6 +74,8 @@ class DockerPlan:
     workdirs: list[str] = field(default_factory=list)  # each WORKDIR Docker would create
     user: str | None = None
     reasons: list[str] = field(default_factory=list)
+    host_packages: list[str] = field(default_factory=list)  # apt packages a RUN installs that this host has
+    made_dirs: set[str] = field(default_factory=set)  # folders RUN steps create with mkdir (for COPY's target)
 
 
 # -- Docker's word processing ----------------------------------------------------------------------
@@ -259,8 +262,10 @@ def _plan_copy(plan: DockerPlan, op: str, rest: str, scope: dict[str, str], work
     if op == "ADD" and any(re.search(r"\.(tar|tgz|tar\.\w+|txz|tbz2?)$", s) for s in sources):
         plan.reasons.append(f"its Dockerfile ADDs an archive, which Docker unpacks (`{rest[:60]}`)")
         return
-    into_dir = dest.endswith("/") or len(sources) > 1
-    dest = posixpath.normpath(posixpath.join(workdir, dest))
+    dest = posixpath.normpath(posixpath.join(workdir, dest)) + ("/" if dest.endswith("/") else "")
+    # Into a folder also where one exists at that line: a WORKDIR, or one a RUN made (`mkdir -p /app`).
+    into_dir = dest.endswith("/") or len(sources) > 1 or dest in plan.workdirs or dest in plan.made_dirs
+    dest = dest.rstrip("/") or "/"
     if SYSTEM_PREFIX.match(dest):
         plan.reasons.append(f"its Dockerfile copies into {dest} (a read-only system folder in the local sandbox)")
         return
@@ -280,10 +285,21 @@ def _plan_run(plan: DockerPlan, line: str, rest: str, shell: list[str], workdir:
         return
     else:
         command = rest
+    apt = apt_only(command)
+    if apt is not None:  # `apt-get update && apt-get install -y X && rm -rf /var/lib/apt/lists/*`
+        missing = [p for p in apt if not host_has_package(p)]
+        if missing:
+            plan.reasons.append(f"its Dockerfile's `{line[:70]}` installs apt packages this host lacks "
+                                f"({', '.join(missing)})")
+        else:
+            plan.host_packages += apt
+        return
     reason = run_reason(command)
     if reason:
         plan.reasons.append(f"its Dockerfile's `{line[:70]}` {reason}")
         return
+    for made in re.findall(r"\bmkdir\s+(?:-\S+\s+)*([^\s;&|]+(?:\s+[^\s;&|-][^\s;&|]*)*)", command):
+        plan.made_dirs |= {posixpath.normpath(posixpath.join(workdir, d)) for d in made.split()}
     script = command if form is not None else shlex.join([*shell, command])
     plan.steps.append(SetupStep(command=script, workdir=workdir, env=dict(env), line=line))
 
@@ -336,6 +352,54 @@ def run_reason(command: str) -> str | None:
             return f"needs `{name}`, which this host lacks"
         expect_cmd = tok in ("xargs", "exec", "if", "then", "do", "else", "elif", "while", "until", "{")
     return None
+
+
+APT_NOOPS = {"update", "clean", "autoclean", "autoremove"}
+
+
+def apt_only(command: str) -> list[str] | None:
+    """The packages of a RUN made only of apt-get/apt update, install and cleanup (None: it does more).
+    Such a step is satisfied locally when this host has every package (`host_has_package`)."""
+    try:
+        lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        tokens = list(lexer)
+    except ValueError:
+        return None
+    packages: list[str] = []
+    segments: list[list[str]] = [[]]
+    for tok in tokens:
+        if tok in ("&&", ";", "\n"):
+            segments.append([])
+        elif tok in OPERATORS or set(tok) <= set(";&|()<>"):
+            return None
+        else:
+            segments[-1].append(tok)
+    for seg in (s for s in segments if s):
+        words = [w for w in seg if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", w)]
+        if words[:1] in (["apt-get"], ["apt"]):
+            sub = next((w for w in words[1:] if not w.startswith("-")), "")
+            if sub == "install":
+                packages += [w.split("=")[0] for w in words[words.index("install") + 1:] if not w.startswith("-")]
+            elif sub not in APT_NOOPS:
+                return None
+        elif words[:2] == ["rm", "-rf"] and all(w.startswith("/var/lib/apt/lists") or w.startswith("/var/cache/apt")
+                                                 for w in words[2:]):
+            continue
+        else:
+            return None
+    return packages if packages else None
+
+
+def host_has_package(name: str) -> bool:
+    """Whether this (Debian-family) host has the apt package ``name`` installed."""
+    dpkg = shutil.which("dpkg-query", path=HOST_PATH)
+    if not dpkg or not re.fullmatch(r"[a-z0-9][a-z0-9+.:-]*", name):
+        return False
+    import subprocess
+
+    out = subprocess.run([dpkg, "-W", "-f=${Status}", name], capture_output=True, text=True, timeout=30)
+    return out.returncode == 0 and out.stdout.strip().endswith("installed") and "not-installed" not in out.stdout
 
 
 def _args(tokens: list[str], start: int) -> list[str]:

@@ -34,6 +34,7 @@ import math
 import os
 import posixpath
 import re
+import shutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,13 +43,15 @@ from typing import Any
 from miles_agent.errors import UserError
 
 from . import dockerfile
-from .dockerfile import ComposeService, DockerPlan, SetupStep, read_compose
+from .dockerfile import BASE_ENV, HOST_PATH, ComposeService, DockerPlan, SetupStep, read_compose
 
 #: Files in environment/ that describe the image and are never copied into the workspace.
 IMAGE_FILES = frozenset({"Dockerfile", ".dockerignore", "docker-compose.yaml", "docker-compose.yml"})
 #: Top-level folders the local sandbox shows read-only from the host (a working directory there needs an image).
 SYSTEM_TOPS = frozenset({"usr", "etc", "proc", "dev", "sys", "bin", "sbin", "lib", "lib32", "lib64", "libx32"})
-DEFAULT_TIMEOUT_S = 600.0  # Harbor's default for both the agent and the verifier
+DEFAULT_TIMEOUT_S = 600.0
+BASE_BIN = Path(__file__).parent / "base_bin"  # commands base images have and this host may lack
+PYTHON_SHIM = "/opt/miles-agent/base-bin/python"  # Harbor's default for both the agent and the verifier
 
 
 class TaskFormatError(UserError):
@@ -397,6 +400,12 @@ def _workdir(env_section: dict[str, Any], compose: ComposeService | None, plan: 
     return posixpath.normpath(value)
 
 
+def _python_base(image: str | None) -> bool:
+    """A python:* base image (Docker Hub's, or a mirror of it such as Terminal-Bench's python bases)."""
+    repo = (image or "").split("@")[0].split(":")[0].rsplit("/", 1)[-1]
+    return repo == "python" or repo.startswith("python-")
+
+
 def load_task(task_dir: str | Path) -> HarborTask:
     """Parse one Harbor task directory, or raise TaskFormatError naming the file and the fix.
 
@@ -428,6 +437,9 @@ def load_task(task_dir: str | Path) -> HarborTask:
         raise TaskFormatError(f"{toml_path}: split must be a string such as \"train\", got {split!r}")
     env = {**(plan.env if plan else {}), **(compose.env if compose else {}),
            **_str_map(env_section, "environment", toml_path)}
+    if plan is not None and not reasons and _python_base(plan.image) and not shutil.which("python", path=HOST_PATH):
+        files[PYTHON_SHIM] = BASE_BIN / "python"  # python:* images have `python`; this host has only python3
+        env["PATH"] = env.get("PATH", BASE_ENV["PATH"]) + ":" + posixpath.dirname(PYTHON_SHIM)
     return HarborTask(
         name=task_dir.name, path=task_dir, instruction=instruction,
         difficulty=str(meta.get("difficulty", "unknown")), category=str(meta.get("category", "")),

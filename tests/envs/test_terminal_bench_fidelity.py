@@ -20,7 +20,7 @@ from harbor_helpers import make_task
 from miles_agent.envs.terminal_bench import TerminalBenchEnv
 from miles_agent.envs.terminal_bench.dockerfile import expand, plan_dockerfile, run_reason
 from miles_agent.envs.terminal_bench.env import LocalSetupError
-from miles_agent.envs.terminal_bench.harbor import load_task
+from miles_agent.envs.terminal_bench.harbor import PYTHON_SHIM, load_task
 
 local = pytest.importorskip("miles_agent.sandboxes.local", reason="the local sandbox is not installed")
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_env_path_is_expanded_against_the_base_image(tmp_path):
     (tmp_path / "envpath" / "environment" / "greet").chmod(0o755)  # COPY keeps the mode, as git checks it out
     t = load_task(tmp_path / "envpath")
     assert t.env["PATH"].startswith("/opt/tool/bin:/usr/local/sbin:/usr/local/bin:") and t.env["GREETING"] == "hello"
-    assert t.files.keys() == {"/opt/tool/bin/greet"} and not t.needs_container
+    assert t.files.keys() - {PYTHON_SHIM} == {"/opt/tool/bin/greet"} and not t.needs_container
     assert asyncio.run(oracle_and_noop(tmp_path, "envpath"))[:2] == (1.0, 0.0)
 
 
@@ -124,7 +124,7 @@ def test_run_steps_run_locally_in_order_with_their_env_and_workdir(tmp_path):
 
 
 @pytest.mark.parametrize("run, why", [
-    ("apt-get update && apt-get install -y jq", "package manager or the network (`apt-get`)"),
+    ("apt-get update && apt-get install -y jq && make", "package manager or the network (`apt-get`)"),
     ("pip install numpy==2.0", "(`pip`)"), ("python3 -m pip install -r req.txt", "`python3 -m pip`"),
     ("curl -LsSf https://astral.sh/uv/install.sh | sh", "(`curl`)"), ("git clone https://x/y", "`git clone`"),
     ("useradd -m agent", "users or configuration (`useradd`)"), ("chown -R 1000:1000 /app", "ownership to 1000"),
@@ -134,6 +134,22 @@ def test_run_steps_run_locally_in_order_with_their_env_and_workdir(tmp_path):
 def test_run_steps_that_need_a_container_say_why(run, why):
     plan = plan_dockerfile(f"FROM python:3.12-slim\nWORKDIR /app\nRUN {run}\n")
     assert not plan.steps and len(plan.reasons) == 1 and why in plan.reasons[0], plan.reasons
+
+
+def test_a_run_that_only_installs_apt_packages_the_host_has_is_satisfied_by_the_hosts():
+    have = plan_dockerfile("FROM ubuntu:24.04\nRUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y "
+                           "--no-install-recommends bash coreutils \\\n    && rm -rf /var/lib/apt/lists/*\n")
+    assert not have.reasons and not have.steps and have.host_packages == ["bash", "coreutils"]
+    lacks = plan_dockerfile("FROM ubuntu:24.04\nRUN apt-get install -y bash no-such-package-here\n")
+    assert "installs apt packages this host lacks (no-such-package-here)" in lacks.reasons[0]
+
+
+def test_python_base_images_have_python(tmp_path):
+    """python:* images have `python`; where this host has only python3 the local sandbox provides it."""
+    make_task(tmp_path, "py", files={"environment/Dockerfile": "FROM python:3.12-slim\nWORKDIR /app\n",
+                                     "solution/solve.sh": "#!/bin/bash\npython -c 'print(6*7)' > out.txt\n"},
+              test_sh=check('[ "$(cat out.txt)" = 42 ]', 'python -c "import sys; sys.exit(0)"'))
+    assert asyncio.run(oracle_and_noop(tmp_path, "py"))[:2] == (1.0, 0.0)
 
 
 def test_host_tool_runs_are_local():
@@ -164,7 +180,7 @@ def test_a_compose_file_with_one_service_is_read_as_that_service(tmp_path):
         test_sh=check('[ "$PWD" = /work ]', '[ "$(cat mode.txt)" = "compose /tests" ]', '[ -f /app/x.txt ]'))
     t = load_task(tmp_path / "compose")
     assert not t.needs_container and t.workdir == "/work" and t.env["MODE"] == "compose" and not t.network
-    assert t.compose is not None and t.compose.name == "main" and t.files.keys() == {"/app/x.txt"}
+    assert t.compose is not None and t.compose.name == "main" and t.files.keys() - {PYTHON_SHIM} == {"/app/x.txt"}
     assert asyncio.run(oracle_and_noop(tmp_path, "compose"))[:2] == (1.0, 0.0)
     two = make_task(tmp_path, "two", files={
         "environment/docker-compose.yaml": "services:\n  main:\n    build: .\n  redis:\n    image: redis:7\n"})
