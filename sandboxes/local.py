@@ -112,9 +112,9 @@ class LocalSandboxOptions:
     output_kill_bytes: int | None = None
     extra_ro_binds: tuple[str, ...] = ()
     sandbox_uid: int | None = None
+    network: str = "task"  # the operator's policy: "task" | "off" | "on" (see LocalSandbox)
     verifier_disk_bytes: int = 512 << 20
     verifier_disk_inodes: int = 65536
-    network: str = "task"
 
 
 class LocalSandbox(Sandbox):
