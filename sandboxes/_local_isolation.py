@@ -3,11 +3,12 @@
 Bubblewrap gives each command its own user, mount, pid, network, ipc, uts and cgroup namespaces.
 The mount namespace holds only: /usr and the /bin, /lib* links read-only, an /etc staged from an
 allowlist of harmless host files (no shadow, gitconfig, pip.conf, npmrc, ssl/private) plus a
-synthesized passwd/group/hosts, fresh /proc (its /proc/sys read-only) and /dev, and the per-episode
-folders of the sandbox's quota'd storage bound read-write: /workspace, /tmp and /root (HOME) while
-the agent acts; for the verifier also /tests and /logs, with a fresh /tmp and home. The host's
-/root, /home, /tmp and the project are simply absent. The network namespace has only its own
-loopback, so a service on the host's 127.0.0.1 is unreachable. bwrap's options reach it through a
+synthesized passwd/group/hosts, fresh /proc (its /proc/sys read-only) and /dev, all over the
+sandbox's quota'd storage bound read-write as its root (/): the workdir, /tmp, /root (HOME) and any
+folder its commands make; for the verifier also /tests and /logs bound over it, with a fresh /tmp and
+home. The host's /root, /home, /tmp and the project are simply absent. The network namespace has only
+its own loopback, so a service on the host's 127.0.0.1 is unreachable -- unless the task asked for the
+network and the operator allows it (``--share-net``, the host's resolver). bwrap's options reach it through a
 pipe (``--args``), so its command line inside shows no host path.
 
 What stops a fork bomb, in order: (1) a pids cgroup per command (v1, or v2 where ``pids`` is

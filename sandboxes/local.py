@@ -1,14 +1,15 @@
 """The local sandbox: bubblewrap-isolated commands in a private per-episode workspace (the embedded default).
 
 Each episode gets a fresh folder ``<tmp>/miles-sandbox-<random>/`` (mode 0700, owned by the sandbox's
-host uid) whose ``fs/`` is a quota'd tmpfs (``_local_storage``) holding ``workspace`` (mounted at
-/workspace, the cwd), ``tmp`` (/tmp) and ``root`` (/root, HOME): private to the episode, kept across
-its exec calls (like one container: an agent's ``/tmp/notes`` survives to its next command), freed by
-`stop`. Commands run as an unprivileged host uid of the sandbox's own, also when miles-agent runs as
+host uid) whose ``fs/`` is a quota'd tmpfs (``_local_storage``) bound as the sandbox's root filesystem
+under the read-only system mounts: the workdir (``SandboxSpec.workdir`` at its real path, e.g. /app;
+default /workspace) is the cwd, /tmp and /root (HOME) are its folders, and so is any folder a command
+or an absolute ``files`` path makes (/opt/tool, /data). Private to the episode, kept across its exec
+calls (like one container: an agent's ``/tmp/notes`` survives to its next command), freed by `stop`. Commands run as an unprivileged host uid of the sandbox's own, also when miles-agent runs as
 root (``_local_identity``), each with a fresh session keyring (``_local_spawn``).
 
 Every `exec` is its own ``bwrap`` (see ``_local_isolation``): no network, not even the host's
-loopback; no host home, /tmp, project or other workspaces; a fresh pid namespace that is torn down
+loopback, unless the task asks for it and the ``network`` policy allows (then the host's); no host home, /tmp, project or other workspaces; a fresh pid namespace that is torn down
 when the command returns, so background processes (``&``, nohup, setsid) never outlive their exec
 call. The environment is built from scratch (PATH/HOME/LANG + the spec's and the call's env); the
 trainer's own variables never reach the command. Limits per command: wall time (kills the whole
@@ -18,7 +19,8 @@ killed past a hard cap); per sandbox: bytes and inodes of everything it can writ
 ``ExecResult.limit_hit`` names the limit that ended a command where that can be told.
 
 `run_verifier` stages the verifier's files from the host side into a second tmpfs the agent never
-sees, and runs it with the agent's final workspace but a fresh home and /tmp.
+sees, and runs it on the agent's final root with those folders (/tests, /logs) bound over it, a fresh
+home and /tmp, and ``VerifierRun.host_dirs`` read-only (the verifier's alone).
 
 Not enforced here: total memory across processes (the address-space limit is per process) and CPU
 share; a container sandbox does those. docs/sandboxes.md has the threat model.
@@ -431,8 +433,11 @@ class LocalSandbox(Sandbox):
         ro_binds = verifier.host_binds(run, tops)
         view = self._storage.host_view(self._storage.verifier_dir)
         await asyncio.to_thread(self._guard_io, lambda _r, _fd: verifier.stage(view, tops, run))
+        # A fresh home and /tmp -- unless the workdir lies in one (WORKDIR /root): then the agent's work stays.
+        fresh = [(d, inside) for d, inside in (("tmp", "/tmp"), ("home", "/root"))
+                 if not (self.workdir + "/").startswith(inside + "/")]
         binds = [(posixpath.join(self._storage.verifier_dir, d), inside)
-                 for d, inside in (("tmp", "/tmp"), ("home", "/root"), *((t, "/" + t) for t in tops))]
+                 for d, inside in (*fresh, *((t, "/" + t) for t in tops))]
 
         def mount_points(_r: str, fd: int) -> None:  # whatever the agent left there (a symlink) goes
             self._fix_system_links()

@@ -164,3 +164,13 @@ def test_network_on_request_under_the_operators_policy(host_service, caplog, pol
 def test_an_unknown_network_policy_names_the_valid_ones():
     with pytest.raises(UserError, match="'task', 'off', 'on'"):
         LocalSandbox(network="public")
+
+
+def test_a_workdir_in_home_keeps_the_agents_work_for_the_verifier():
+    async def main():
+        async with LocalSandbox() as sb:
+            await sb.start(SandboxSpec(workdir="/root"))
+            await sb.exec("echo done > result.txt")
+            v = await sb.run_verifier(VerifierRun(command="cat /root/result.txt; pwd", files={"/tests/t": b""}))
+            assert v.result is not None and v.result.stdout == "done\n/root\n"
+    run(main())
