@@ -84,6 +84,9 @@ MAX_COMMAND_BYTES = 128 << 10  # the kernel refuses a longer single argument (MA
 # Top-level names of the sandbox's root that the system mounts hold: no file of a task may go there.
 SYSTEM_TOPS = frozenset({"usr", "etc", "proc", "dev", "sys", "bin", "sbin", "lib", "lib32", "lib64", "libx32"})
 NETWORK_POLICIES = ("task", "off", "on")
+# One uid is mapped (uid 0 inside): tar run as root would try to restore a file's owner (uid 1000) and
+# fail the whole extraction; it extracts as root instead, as it does for any other user.
+ONE_UID_ENV = {"TAR_OPTIONS": "--no-same-owner"}
 T = TypeVar("T")
 _warned_unisolated = False
 
@@ -407,7 +410,8 @@ class LocalSandbox(Sandbox):
     def _command_env(self, extra: dict[str, str] | None, base: dict[str, str] | None = None) -> dict[str, str]:
         """The command's whole environment: nothing inherited from this process."""
         if self.isolation == "bwrap":
-            env = {"PATH": SYSTEM_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb", "USER": "root"}
+            env = {"PATH": SYSTEM_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb", "USER": "root",
+                   **ONE_UID_ENV}
         else:
             env = {"PATH": SYSTEM_PATH, "HOME": self._host_path("root"), "TMPDIR": self._host_path("tmp"),
                    "LANG": "C.UTF-8", "TERM": "dumb", MARKER_ENV: self.id}

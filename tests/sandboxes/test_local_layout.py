@@ -174,3 +174,21 @@ def test_a_workdir_in_home_keeps_the_agents_work_for_the_verifier():
             v = await sb.run_verifier(VerifierRun(command="cat /root/result.txt; pwd", files={"/tests/t": b""}))
             assert v.result is not None and v.result.stdout == "done\n/root\n"
     run(main())
+
+
+def test_a_tar_of_another_uids_files_extracts(tmp_path):
+    """Task archives carry their author's uid (1000); with one uid mapped, tar extracts them as root
+    (exit 0) rather than failing to restore the owner. chown to an unmapped uid still fails."""
+    import subprocess
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("hi\n")
+    subprocess.run(["tar", "--owner=1000", "--group=1000", "-cf", str(tmp_path / "u.tar"), "-C", str(tmp_path), "d"],
+                   check=True)
+
+    async def main():
+        async with LocalSandbox() as sb:
+            await sb.start(SandboxSpec(workdir="/app", files={"u.tar": (tmp_path / "u.tar").read_bytes()}))
+            return await sb.exec("set -e; tar -xf u.tar; cat d/f; stat -c %u d/f; chown 1000 d/f 2>/dev/null || echo no")
+    r = run(main())
+    assert r.exit_code == 0 and r.stdout.split() == ["hi", "0", "no"], r
