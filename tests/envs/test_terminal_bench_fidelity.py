@@ -246,3 +246,43 @@ def test_eval_writes_per_task_results_with_every_reason(tmp_path):
     assert summary["failed"] == 1 and summary["refused"] == 1 and summary["episodes"] == 4
     assert set(summary["below_1"]) == {"wrong", "no-reward", "broken-run", "needs-image"}
     assert "wrong" in out.stdout and "(1 failed, 1 refused)" in out.stdout
+
+
+def test_auto_runs_local_tasks_locally_and_refuses_container_ones_without_an_engine(tmp_path):
+    """env.sandbox=auto: a task this host reproduces (RUN steps included) runs on the local sandbox; one
+    that needs its image is refused, with why, when no engine answers."""
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "runs-here", files={"environment/Dockerfile": "FROM ubuntu\nWORKDIR /app\nRUN echo ok > made\n",
+                                         "solution/solve.sh": "#!/bin/bash\ntrue\n"},
+              test_sh=check('[ "$(cat /app/made)" = ok ]'))
+    make_task(tasks, "needs-apt", files={"environment/Dockerfile": "FROM ubuntu\nRUN pip install numpy\n",
+                                         "solution/solve.sh": "#!/bin/bash\ntrue\n"})
+    job = tmp_path / "job"
+    out = subprocess.run([sys.executable, "-m", "miles_agent.cli", "eval", "--env", "terminal-bench", "--policy",
+                          "oracle", "--tasks", str(tasks), "--split", "all", "--job-dir", str(job), "env.sandbox=auto"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={**__import__("os").environ, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
+    assert out.returncode == 0, out.stderr
+    rows = {r["task"]: r for r in map(json.loads, (job / "results.jsonl").read_text().splitlines())}
+    assert rows["runs-here"]["reward"] == 1.0 and rows["runs-here"]["setup_steps"] == 1
+    assert rows["runs-here"]["route"] == {"backend": "local", "reason": "the task needs only this host's tools"}
+    refused = rows["needs-apt"]
+    assert refused["refused"] and "`pip`" in refused["reason"] and "no-engine.sock does not answer" in refused["reason"]
+    assert "task needs-apt needs its container" in out.stderr  # logged, as the route of every task (INFO)
+
+
+def test_the_auto_sandbox_refuses_an_image_it_cannot_run(tmp_path, monkeypatch):
+    from miles_agent.errors import UserError
+    from miles_agent.sandbox import SandboxSpec
+    from miles_agent.sandboxes.auto import AutoSandbox
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/none.sock")
+
+    async def main():
+        sb = AutoSandbox()
+        try:
+            await sb.start(SandboxSpec(image="python:3.12-slim"))
+        finally:
+            await sb.stop()
+    with pytest.raises(UserError, match=r"needs its container \(python:3.12-slim\), but the container engine at"):
+        asyncio.run(main())
