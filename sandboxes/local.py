@@ -255,7 +255,8 @@ class LocalSandbox(Sandbox):
             self._guard_io(lambda _r, _fd: self._fix_system_links())
             if self.workdir != INSIDE_WORKSPACE:  # the workdir is a folder of the sandbox's root, like /workspace
                 self._guard_io(lambda _r, fd: paths.plain_dirs(fd, self.workdir.lstrip("/")))
-                os.rmdir(self._host_path("") + INSIDE_WORKSPACE)  # the storage's default one, unused here
+                if not self.workdir.startswith(INSIDE_WORKSPACE + "/"):  # the storage's default one, unused here
+                    os.rmdir(self._host_path("") + INSIDE_WORKSPACE)
             self._bwrap = await probe_bwrap(bwrap, self._launch_argv(), [], **self._agent_layout())
         except (RuntimeError, OSError) as e:
             advice = ("install a newer bubblewrap" if isinstance(e, BwrapTooOld) else

@@ -49,6 +49,15 @@ def test_workdir_and_absolute_files_are_at_their_real_paths():
     run(main())
 
 
+@pytest.mark.parametrize("workdir", ["/workspace/sub", "/home/user/project", "/root", "/srv/../opt/app"])
+def test_any_workdir_outside_the_system_folders_is_the_cwd(workdir):
+    async def main():
+        async with LocalSandbox() as sb:
+            await sb.start(SandboxSpec(workdir=workdir, files={"f": b"x"}))
+            return (await sb.exec("pwd; cat f")).stdout
+    assert run(main()) == __import__("posixpath").normpath(workdir) + "\nx"
+
+
 @pytest.mark.parametrize("workdir", ["/usr/src/app", "relative/app", "/etc"])
 def test_a_workdir_in_the_system_folders_is_refused(workdir):
     async def main():
