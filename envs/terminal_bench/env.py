@@ -18,6 +18,7 @@ episode is retried, never scored 0).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -317,7 +318,14 @@ class TerminalBenchEnv(Environment):
                                       timeout_s=30), "marking environment scripts executable")
         session = TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars)
         if backend == "local":  # a container backend built the RUN steps into its image
-            steps = await run_setup(t, sandbox)
+            try:
+                steps = await run_setup(t, sandbox)
+            except LocalSetupError as e:
+                if self.sandbox != "auto" or not self.container_engine()[0]:
+                    raise
+                # auto: from now on the task needs its container; the episode is retried there.
+                self.harbor_tasks[t.name] = dataclasses.replace(t, container_reasons=(str(e),))
+                raise SandboxError(f"terminal-bench: task {t.name} goes to a container: {e}") from None
             session.setup_steps, session.setup_s = len(steps), sum(r.duration_s for r in steps)
         return session
 

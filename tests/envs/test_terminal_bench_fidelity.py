@@ -286,3 +286,26 @@ def test_the_auto_sandbox_refuses_an_image_it_cannot_run(tmp_path, monkeypatch):
             await sb.stop()
     with pytest.raises(UserError, match=r"needs its container \(python:3.12-slim\), but the container engine at"):
         asyncio.run(main())
+
+
+def test_under_auto_a_run_step_that_fails_locally_sends_the_task_to_a_container(tmp_path, monkeypatch):
+    """The failure is the sandbox's (the episode is retried), and the task needs its container from then on."""
+    from miles_agent.sandbox import SandboxError
+
+    make_task(tmp_path, "fails", files={"environment/Dockerfile": "FROM ubuntu\nRUN test -f /opt/prebuilt\n"})
+    env = TerminalBenchEnv(tmp_path, sandbox="auto")
+    monkeypatch.setattr(env, "container_engine", lambda: (True, "a test engine"))
+    task = env.tasks("all")[0]
+
+    async def main():
+        sandbox = local.LocalSandbox()
+        await sandbox.start(env.sandbox_spec(task))
+        try:
+            await env.open(task, sandbox)
+        finally:
+            await sandbox.stop()
+    with pytest.raises(SandboxError, match="goes to a container.*RUN test -f /opt/prebuilt"):
+        asyncio.run(main())
+    spec = env.sandbox_spec(task)
+    assert env.harbor_task(task).needs_container and (spec.image or spec.build) is not None
+    assert env.routes()["fails"][0] == "docker"
