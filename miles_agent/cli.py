@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="eval")
     e.add_argument("--limit", type=int, help="evaluate at most this many tasks")
 
+    pl = sub.add_parser("plan", help="a recipe's placement (actor -> GPU) and per-GPU memory on its hardware")
+    pl.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    pl.add_argument("--nodes", type=int, help="nodes (default: the recipe's cluster.nodes)")
+    pl.add_argument("--gpus-per-node", type=int, help="default: the recipe's cluster.gpus_per_node")
+    pl.add_argument("--gpu-memory", type=float, metavar="GiB", help="default: the recipe's cluster.gpu_memory_gib")
+    pl.add_argument("overrides", nargs="*", metavar="section.key=value")
+
     from miles_agent.registry import KINDS
 
     for kind in KINDS:
@@ -110,6 +117,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = asyncio.run(evaluate(cfg, policy=args.policy, split=args.split, limit=args.limit))
     print(f"{cfg.env.name} [{args.split}] policy={args.policy}: reward {result['reward_mean']:.3f} "
           f"over {int(result['episodes'])} episodes ({int(result['failed'])} failed)")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from miles_agent.config import load_config
+    from miles_agent.registry import load
+
+    planner = load("planners", "default")  # runtime/plan.py: the placement follows the Ray launcher's
+    print(planner(load_config(args.recipe, list(args.overrides)), args.nodes, args.gpus_per_node, args.gpu_memory))
     return 0
 
 
@@ -272,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_eval(args)
         if args.command == "sandbox":
             return cmd_sandbox_reap(args) if args.action == "reap" else cmd_sandbox_exec(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "warmstart":
             return cmd_warmstart(args)
         if args.command in ("report", "replay"):
