@@ -216,7 +216,8 @@ def plan_text(cfg: Config, nodes: int | None = None, gpus_per_node: int | None =
               gpu_memory_gib: float | None = None) -> str:
     """The ``miles_agent.planners`` entry point: the plan as text, or a PlanError."""
     c = cfg.cluster
-    hw = Hardware(nodes or c.nodes, gpus_per_node or c.gpus_per_node, gpu_memory_gib or c.gpu_memory_gib)
+    hw = Hardware(c.nodes if nodes is None else nodes, c.gpus_per_node if gpus_per_node is None else gpus_per_node,
+                  c.gpu_memory_gib if gpu_memory_gib is None else gpu_memory_gib)
     if hw.nodes < 1 or hw.gpus_per_node < 1 or hw.gpu_memory_gib <= RESERVED_GIB:
         raise PlanError(f"hardware {hw.nodes} x {hw.gpus_per_node} GPUs of {hw.gpu_memory_gib:g} GiB is not a "
                         "machine; pass --nodes, --gpus-per-node and --gpu-memory as positive numbers")
