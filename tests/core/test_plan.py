@@ -96,7 +96,7 @@ def test_dense_qwen3_8b_by_hand():
 def test_moe_qwen3_30b_a3b_by_hand_under_megatron():
     from miles_agent.runtime.memory_model import Sharding, train_memory
 
-    h, layers, d, e, k, f, vocab = 2048, 48, 128, 128, 8, 768, 151936
+    h, layers, d, e, f, vocab = 2048, 48, 128, 128, 768, 151936
     attn = h * 32 * d + 2 * h * 4 * d + 32 * d * h + 2 * d + 2 * h
     routed = layers * e * 3 * h * f
     router = layers * e * h
@@ -117,4 +117,5 @@ def test_moe_qwen3_30b_a3b_by_hand_under_megatron():
 def test_large_moe_counts_match_the_published_totals(name, total, active):
     s = shape(name)
     assert abs(s.total_params / total - 1) < 0.02
-    assert abs((s.active_params - s.embed_params / 2) / active - 1) < 0.05  # model cards count one embedding
+    # model cards differ on whether the embeddings count as active: the published figure lies between
+    assert (s.active_params - s.embed_params) * 0.97 <= active <= s.active_params * 1.03
