@@ -23,16 +23,29 @@ class NotAppendOnly(Exception):
     """The chat template rendered an earlier part of the conversation differently after new messages."""
 
 
+def with_chat_options(tokenizer: Any, template_kwargs: dict[str, Any]) -> Any:
+    """The run's tokenizer carries ``model.chat_template_kwargs`` (e.g. ``enable_thinking: false``), so every
+    render of it -- harness, proxy, SFT data -- passes them; it is the object every renderer is given."""
+    tokenizer.chat_template_kwargs = dict(template_kwargs)
+    return tokenizer
+
+
+def template_kwargs(tokenizer: Any) -> dict[str, Any]:
+    return dict(getattr(tokenizer, "chat_template_kwargs", None) or {})  # a bare HF tokenizer has none
+
+
 class ChatRenderer:
     """Renders with the tokenizer's own chat template; tokenizes only what is new."""
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self.template_kwargs = template_kwargs(tokenizer)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
