@@ -119,3 +119,20 @@ def test_large_moe_counts_match_the_published_totals(name, total, active):
     assert abs(s.total_params / total - 1) < 0.02
     # model cards differ on whether the embeddings count as active: the published figure lies between
     assert (s.active_params - s.embed_params) * 0.97 <= active <= s.active_params * 1.03
+
+
+@pytest.mark.parametrize("arch", sorted(p.stem for p in ARCHS.glob("*.json")))
+def test_parameter_counts_equal_the_transformers_model_of_the_config(arch):
+    """Independent of the hand count: transformers builds each architecture on the meta device (no memory)
+    and its checkpoint tensors (the state dict: expert score biases are buffers there) are counted."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((ARCHS / f"{arch}.json").read_text())
+    kwargs = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    model_type = {"kimi_k2": "deepseek_v3"}.get(config["model_type"], config["model_type"])  # same architecture
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs))
+    tied = model.config.tie_word_embeddings
+    count = sum(v.numel() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight"))
+    assert shape(arch).total_params == count
