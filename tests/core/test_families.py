@@ -10,6 +10,7 @@ the whole conversation's render (TITO stays append-only, no branch).
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -179,3 +180,28 @@ def test_glm_values_keep_their_types_and_strings_stay_bare():
                         "<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>\n"
                         '<arg_value>{"x": [1, 2]}</arg_value>\n</tool_call>')
     assert (block.name, block.arguments) == ("run", {"cmd": "ls -la", "n": 3, "opts": {"x": [1, 2]}})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_proxy_reads_the_family_and_extends_one_branch(family):
+    """The OpenAI-compatible proxy: the sampled call turn comes back to the agent as ``tool_calls``, and the
+    agent's next request (its reply and the tool results) extends the same token history."""
+    from miles_agent.harnesses.proxy.history import ProxyLimits, SessionHistory
+    from miles_agent.models.tokenizer import stop_token_ids
+
+    tok = family_tokenizer(family)
+    r = ChatRenderer(tok, [ADD])
+    opening, turn, results, _ = conversation(family)
+    stops = (tok.eos_token, "<|im_end|>", *tok.tool_call_format.stop_tokens)
+    call_text = sampled_text(r, opening, turn, stops, (FAMILIES[family][5] or (tok.eos_token,))[0])
+    history = SessionHistory(tok, ProxyLimits(), stop_token_ids(tok))
+    pending = history.begin_chat(opening, [ADD])
+    ids = tok.encode(call_text, add_special_tokens=False)
+    reply = history.commit(pending, Completion(ids, [-0.5] * len(ids), FinishReason.STOP, 0))
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.tool_calls]
+    assert got == family_calls(family)
+    answer = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
+    tool_msgs = [{**m, "tool_call_id": c["id"]} for m, c in zip(results, reply.tool_calls)]
+    nxt = history.begin_chat(opening + [answer] + tool_msgs, [ADD])
+    assert not nxt.is_new, nxt.reason  # one branch: the template's delta only
+    assert tok.decode(nxt.input_ids) == r.render(opening + [turn] + tool_msgs, add_generation_prompt=True)
