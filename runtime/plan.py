@@ -102,9 +102,9 @@ def place(cfg: Config, hw: Hardware) -> tuple[list[list[str]], list[str]]:
         for i in range(engines):
             for g in range(i * span, (i + 1) * span):
                 gpus[g].append(f"engine {i}" + (f" (TP rank {g - i * span}/{span})" if span > 1 else ""))
-        if span > 1:
-            notes.append(f"each engine spans {span} GPUs: runtime/ray_cluster.py places colocated engine i in "
-                         "rank i's bundle, so a server with tp_size > 1 needs the span-aware placement (not there yet)")
+        if span > hw.gpus_per_node:
+            notes.append(f"each engine spans {span // hw.gpus_per_node} nodes: SGLang servers across nodes are not "
+                         "launched under Ray yet (runtime/sglang_actor.py refuses them at start)")
     else:
         per_rank = max(1, round(1 / c.trainer_gpus)) if c.trainer_gpus < 1 else 1
         trainer_gpus = math.ceil(world / per_rank) * max(1, math.ceil(c.trainer_gpus))
