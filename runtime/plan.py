@@ -158,7 +158,8 @@ def build_plan(cfg: Config, hw: Hardware) -> Plan:
         engine = engine_memory(shape, span, fraction * hw.gpu_memory_gib * GIB)
     else:  # the embedded engine: its own weights and the KV of its whole batch at full length
         need_kv = cfg.rollout.max_batch_size * cfg.env.max_total_tokens * shape.kv_bytes_per_token()
-        engine = engine_memory(shape, 1, 2.0 * shape.total_params + need_kv)
+        weight_bytes = 4 if cfg.model.dtype == "float32" else 2
+        engine = engine_memory(shape, 1, weight_bytes * shape.total_params + need_kv)
     if engine.kv_cache <= 0:
         raise PlanError(f"the engine's weights ({engine.weights / GIB:.1f} GiB per GPU) exceed its memory "
                         f"({engine.budget / GIB:.1f} GiB); raise sglang.tp_size or sglang.mem_fraction_static")
@@ -173,11 +174,12 @@ def build_plan(cfg: Config, hw: Hardware) -> Plan:
                      "at full length (the rest queue)")
     trainer_total = train.total(checkpointing=True)
     offload = cfg.cluster.colocate and cfg.cluster.mode == "ray" and cfg.train.offload is not False
-    shared_gpu = cfg.cluster.colocate or cfg.cluster.mode != "ray"
-    engine_share = engine.budget if shared_gpu else 0.0
-    peak = max(trainer_total, engine_share) if offload else trainer_total + engine_share
-    if not shared_gpu:
-        peak = max(trainer_total, engine.budget)
+    if cfg.cluster.mode == "ray" and not cfg.cluster.colocate:
+        peak = max(trainer_total, engine.budget)  # separate GPUs: the busier kind
+    elif offload:
+        peak = max(trainer_total, engine.budget)  # one GPU, the two phases in turn
+    else:
+        peak = trainer_total + engine.budget  # one GPU holding both all the time
     if peak > usable:
         fix = ("raise cluster.nodes / train.world_size or the parallel sizes (megatron.*)"
                if train.weights + train.optimizer > usable / 2 else "lower train.micro_batch_tokens")
