@@ -183,7 +183,10 @@ def train_memory(shape: ModelShape, s: Sharding, micro_batch_tokens: int) -> Tra
     tokens = micro_batch_tokens / s.cp
     per_layer = shape.activation_bytes_per_token_layer() * tokens
     if s.backend == "megatron":
-        weights, grads, optim = BF16 * n, 4 * n, 12 * n / s.dp  # bf16 params, fp32 grad buffer, dist. optimizer
+        experts = shape.routed_params / (s.ep * s.etp * s.pp)
+        expert_dp = max(1, s.world // (s.ep * s.etp * s.pp))
+        # bf16 params, fp32 grad buffer, the distributed optimizer's fp32 main params + Adam moments
+        weights, grads, optim = BF16 * n, 4 * n, 12 * ((n - experts) / s.dp + experts / expert_dp)
         # Sequence parallel splits every layer's activations over TP. 1F1B keeps PP micro-batches in flight on
         # the first stage, each through layers / PP layers: layers' worth in all.
         act = shape.layers * per_layer / s.tp

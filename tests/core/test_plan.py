@@ -104,11 +104,13 @@ def test_moe_qwen3_30b_a3b_by_hand_under_megatron():
     s = shape("Qwen3-30B-A3B")
     assert s.total_params == layers * attn + router + routed + embed + h
     assert abs(s.total_params / 30.5e9 - 1) < 0.01 and abs(s.active_params / 3.3e9 - 1) < 0.03
-    tp, ep, dp = 2, 8, 8
+    tp, ep, dp, expert_dp = 2, 8, 8, 2  # 16 ranks: data parallel 16 / TP; experts' data parallel 16 / EP
     m = train_memory(s, Sharding("megatron", 16, tp=tp, ep=ep), micro_batch_tokens=16384)
-    on_rank = (layers * attn + router + h) / tp + routed / ep + embed / tp
+    dense_on_rank = (layers * attn + router + h) / tp + embed / tp
+    on_rank = dense_on_rank + routed / ep
     assert m.params_on_rank == pytest.approx(on_rank)
-    assert (m.weights, m.gradients, m.optimizer) == pytest.approx((2 * on_rank, 4 * on_rank, 12 * on_rank / dp))
+    optimizer = 12 * (dense_on_rank / dp + routed / ep / expert_dp)  # fp32 main params + two Adam moments
+    assert (m.weights, m.gradients, m.optimizer) == pytest.approx((2 * on_rank, 4 * on_rank, optimizer))
     assert s.kv_bytes_per_token(tp=2) == layers * 2 * (4 // 2) * d * 2
 
 
