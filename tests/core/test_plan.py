@@ -138,3 +138,17 @@ def test_parameter_counts_equal_the_transformers_model_of_the_config(arch):
     tied = model.config.tie_word_embeddings
     count = sum(v.numel() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight"))
     assert shape(arch).total_params == count
+
+
+def test_a_disaggregated_layout_puts_engines_after_the_trainer(capsys):
+    rc, out, err = plan(capsys, "--recipe", "qwen3-30b-a3b", "cluster.colocate=false", "cluster.trainer_gpus=1",
+                        "cluster.gpus_per_engine=2", "cluster.num_engines=4", "sglang.num_servers=4",
+                        "train.world_size=8", "megatron.expert_parallel=8", "--nodes", "2")
+    assert rc == 0, err
+    gpus = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("  node ")]
+    assert gpus[:8] == [f"trainer rank {r}" for r in range(8)]
+    assert gpus[8:] == [f"engine {i} (TP rank {k}/2)" for i in range(4) for k in range(2)]
+    assert "node 1 gpu 0: engine 0 (TP rank 0/2)" in out
+    rc, _, err = plan(capsys, "--recipe", "qwen3-30b-a3b", "cluster.colocate=false", "cluster.trainer_gpus=1",
+                      "cluster.gpus_per_engine=1", "train.world_size=8", "megatron.expert_parallel=8")
+    assert rc == 2 and "needs cluster.gpus_per_engine=2" in err
