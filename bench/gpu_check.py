@@ -1,13 +1,20 @@
-"""GPU check: the embedded engine, the FSDP2 trainer and the Megatron-core trainer on one device.
+"""GPU check: the embedded engine, the FSDP2 and Megatron-core trainers and the weight sync on one device.
 
-Prints one JSON object with the figures (tokens/s, step times, peak memory) and the cross-backend
-checks (Megatron vs FSDP2 logprobs and loss on the same batch), and the colocation offload check
-(the FSDP2 trainer's device memory after ``offload()``, and training after the round trip against a
-trainer that never offloaded). Run it through bench/gpu_check.sh on
-a GPU machine; ``--device cpu --quick`` runs the same code here (CI proves it works).
+Prints one JSON object with the figures and writes it to --json:
 
-    python bench/gpu_check.py                      # cuda, a ~0.3B random-init Qwen3-MoE-shaped model
-    python bench/gpu_check.py --device cpu --quick # the tiny MoE, seconds
+* engine: the embedded engine's tokens/s, against HF ``generate`` on the same model, prompts and device;
+* fsdp2: a train step (bf16 on CUDA) -- tokens/s, step time, peak memory; offload: the colocation round trip
+  (device memory after ``offload()``, and training after it equal to a trainer that never offloaded);
+* megatron: a Megatron-core train step, and its logprobs and loss against FSDP2's on the same batch;
+* sync: CUDA-IPC and NCCL weight sync GB/s against a device copy and raw NCCL broadcasts (bench/gpu_sync.py).
+
+The model is random-init, built from a config (nothing is downloaded): on CUDA Qwen3-0.6B's shape from
+recipes/architectures/Qwen3-0.6B.json, ``--model moe`` a ~0.3B Qwen3-MoE. Run it through bench/gpu_check.sh on
+a GPU machine (one H200: a few minutes); ``--device cpu --quick`` is the dry run of the same code with the tiny
+MoE (tests/megatron_backend/test_gpu_check_script.py runs it).
+
+    python bench/gpu_check.py                      # cuda, Qwen3-0.6B-shaped, bf16
+    python bench/gpu_check.py --device cpu --quick # the tiny MoE, fp32, under a minute
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import json
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,19 +45,34 @@ GPU_MODEL = dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size
                  num_experts_per_tok=4)
 
 
-def build_model(quick: bool, device: str, dtype: torch.dtype):  # noqa: ANN201
-    from transformers import AutoModelForCausalLM
+ARCHITECTURES = Path(__file__).resolve().parents[1] / "recipes" / "architectures"
+
+
+def build_model(kind: str, dtype: torch.dtype):  # noqa: ANN201
+    """(model, byte tokenizer): ``tiny`` (the tiny MoE), ``moe`` (GPU_MODEL) or ``0.6b`` (Qwen3-0.6B's config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model, tok = build_tiny("tiny-qwen3-moe", seed=0)
-    if not quick:
+    if kind == "moe":
         cfg = tiny_config("tiny-qwen3-moe", tok)
         for k, v in GPU_MODEL.items():
             setattr(cfg, k, v)
         cfg.num_experts = GPU_MODEL["num_local_experts"]
+    elif kind == "0.6b":
+        arch = json.loads((ARCHITECTURES / "Qwen3-0.6B.json").read_text())
+        arch.pop("architectures")
+        cfg = AutoConfig.for_model(arch.pop("model_type"), eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id, **arch)
+    if kind != "tiny":
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg)
         model.config.architectures = [type(model).__name__]
     return model.to(dtype).eval(), tok
+
+
+def engine_model(kind: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The weight-sync engine's model (same names and shapes), built in its own process."""
+    return build_model(kind, dtype)[0]
 
 
 def _sync(device: str) -> None:
@@ -94,6 +118,28 @@ def check_engine(model: Any, tok: Any, device: str, n: int, new: int) -> tuple[d
     tokens = sum(len(o.output_ids) for o in outs)
     return {"sequences": n, "generated_tokens": tokens, "tokens_per_s": tokens / dt,
             "peak_mem_gib": _peak_gib(device)}, trajs
+
+
+def check_hf_generate(model: Any, tok: Any, device: str, n: int, new: int) -> dict[str, Any]:
+    """HF ``generate`` on the same prompts as the engine check (left-padded batch), sampling ``new`` tokens each."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in torch.randint(48, 96, (n,), generator=g)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    hf = copy.deepcopy(model).to(device)
+    kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0,
+              top_k=0, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        hf.generate(ids[:, : width], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, **kw)
+        _sync(device)
+    dt = time.perf_counter() - t0
+    del hf
+    tokens = int((out.shape[1] - width) * n)
+    return {"sequences": n, "generated_tokens": tokens, "tokens_per_s": tokens / dt}
 
 
 def check_trainer(name: str, make: Any, trajs: list[Trajectory], device: str, steps: int
@@ -170,15 +216,24 @@ def check_offload(make: Any, trajs: list[Trajectory], device: str) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the tiny MoE, few sequences: the dry run")
+    ap.add_argument("--model", choices=["0.6b", "moe", "tiny"], help="default: tiny with --quick, else 0.6b")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args()
     device, quick = args.device, args.quick
-    dtype = torch.float32  # one dtype on both backends, so their logprobs are comparable
+    kind = args.model or ("tiny" if quick else "0.6b")
+    # Megatron and FSDP2 run the same dtype, so their logprobs are comparable (bf16: to bf16's precision).
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    started = time.perf_counter()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.machine(),
-                              "torch": torch.__version__, "quick": quick}
-    model, tok = build_model(quick, device, dtype)
+                              "torch": torch.__version__, "quick": quick, "model": kind, "dtype": str(dtype)}
+    model, tok = build_model(kind, dtype)
     report["model_params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
-    report["engine"], trajs = check_engine(model, tok, device, n=8 if quick else 64, new=16 if quick else 128)
+    n, new = (8, 16) if quick else (64, 128)
+    report["engine"], trajs = check_engine(model, tok, device, n=n, new=new)
+    report["hf_generate"] = check_hf_generate(model, tok, device, n=n, new=new)
+    report["engine"]["vs_hf_generate"] = report["engine"]["tokens_per_s"] / report["hf_generate"]["tokens_per_s"]
     train = TrainConfig(lr=1e-5, micro_batch_tokens=4096 if quick else 16384)
     algo = AlgoConfig()
     steps = 2 if quick else 5
@@ -202,7 +257,15 @@ def main() -> None:
         meg["logprob_max_abs_diff_vs_fsdp2"] = max(diffs)
         meg["loss_rel_diff_vs_fsdp2"] = abs(m_meg["loss"] - m_fsdp["loss"]) / max(abs(m_fsdp["loss"]), 1e-12)
         report["megatron"] = meg
-    print(json.dumps(report, indent=2, default=float))
+    from gpu_sync import check_weight_sync
+
+    report["sync"] = check_weight_sync(model.to(device), functools.partial(engine_model, kind, dtype), device,
+                                       bucket_mb=16 if quick else 256, repeat=2 if quick else 3)
+    report["wall_s"] = time.perf_counter() - started
+    text = json.dumps(report, indent=2, default=float)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

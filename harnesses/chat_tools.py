@@ -1,4 +1,5 @@
-"""The chat/tool-call harness: the model writes Qwen-style ``<tool_call>{json}</tool_call>`` blocks, the
+"""The chat/tool-call harness: the model writes tool calls in its family's format (Qwen-style
+``<tool_call>{json}</tool_call>`` unless the model's config names another, `miles_agent.tool_calls`), the
 environment runs the tools, and their results come back as tool messages -- until the model answers
 without a tool call, or a limit ends the episode.
 
@@ -15,7 +16,7 @@ from typing import Any
 from miles_agent.engine import Completion, FinishReason, Policy, SamplingParams
 from miles_agent.environment import EnvSession, Harness, HarnessLimits, Task, ToolError
 from miles_agent.tito import ChatRenderer, NotAppendOnly
-from miles_agent.tool_calls import scan_tool_calls, unterminated
+from miles_agent.tool_calls import QWEN, ToolCallFormat, tool_format
 from miles_agent.types import Status, Trajectory
 
 
@@ -23,19 +24,19 @@ from miles_agent.types import Status, Trajectory
 class ToolCall:
     name: str
     arguments: dict[str, Any]
+    id: str | None = None  # the id the format wrote (Kimi-K2), echoed in the tool message
 
 
-def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
+def parse_tool_calls(text: str, fmt: ToolCallFormat = QWEN) -> tuple[list[ToolCall], list[str]]:
     """Tool calls in a model turn, and an error message for each block that does not parse."""
     calls, errors = [], []
-    for block in scan_tool_calls(text):
+    for block in fmt.scan(text):
         if block.ok:
-            calls.append(ToolCall(block.name, block.arguments))
+            calls.append(ToolCall(block.name, block.arguments, block.id))
         else:
-            errors.append(f"error: malformed tool call ({block.error}); write "
-                          '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>')
-    if "<tool_call>" in text and unterminated(text):
-        errors.append("error: unterminated <tool_call>; close it with </tool_call>")
+            errors.append(f"error: malformed tool call ({block.error}); write {fmt.example}")
+    if fmt.opener in text and fmt.unterminated(text):
+        errors.append(f"error: unterminated {fmt.opener}; close it with {fmt.closer}")
     return calls, errors
 
 
@@ -48,6 +49,7 @@ class ChatToolsHarness(Harness):
 
         self.tokenizer = tokenizer
         self.limits = limits
+        self.tool_format = tool_format(tokenizer)
         self.stop_ids = tuple(sorted(set(sampling.stop_token_ids) | set(stop_token_ids(tokenizer))))
         self.sampling = replace(sampling, stop_token_ids=self.stop_ids)
 
@@ -68,7 +70,7 @@ class ChatToolsHarness(Harness):
             traj.append_model(c.output_ids, c.output_logprobs, c.weight_version, turn,
                               version_starts=c.meta.get("weight_versions"))
             stop_text, text = self._split_stop(c)
-            messages.append({"role": "assistant", "content": text})
+            messages.append(self.tool_format.assistant_message(text))
             if c.finish_reason is FinishReason.LENGTH:
                 status = Status.TRUNCATED
                 break
@@ -82,7 +84,8 @@ class ChatToolsHarness(Harness):
             results = [await self._call(session, call, traj) for call in calls] + errors
             tool_msgs = self.observation_messages(calls, results)
             try:
-                obs = renderer.observation_ids(messages, tool_msgs, stop_text)
+                structured = messages[-1].get("content") != text  # the family rebuilds the turn from tool_calls
+                obs = renderer.observation_ids(messages, tool_msgs, stop_text, sampled_text=text if structured else None)
                 messages.extend(tool_msgs)
             except NotAppendOnly as e:
                 messages.extend(tool_msgs)
@@ -110,11 +113,14 @@ class ChatToolsHarness(Harness):
 
     def parse_actions(self, text: str) -> tuple[list[ToolCall], list[str]]:
         """The actions in a model turn, plus an error message for each malformed one."""
-        return parse_tool_calls(text)
+        return parse_tool_calls(text, self.tool_format)
 
     def observation_messages(self, calls: list[ToolCall], results: list[str]) -> list[dict[str, Any]]:
-        """Messages that carry the results back to the model."""
-        return [{"role": "tool", "content": r} for r in results]
+        """Messages that carry the results back to the model (error results follow the calls' ones); a
+        template that names the call (harmony) or its id (Kimi-K2) finds them on the message."""
+        return [{"role": "tool", "content": r, **({"name": c.name} if c else {}),
+                 **({"tool_call_id": c.id} if c and c.id else {})}
+                for r, c in zip(results, [*calls, *[None] * (len(results) - len(calls))])]
 
     def _new_branch(self, renderer: ChatRenderer, messages: list[dict[str, Any]], task: Task,
                     index: int) -> Trajectory:

@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, help="evaluate at most this many tasks")
     e.add_argument("--job-dir", help="where the job folder goes (default RUN_DIR/eval/<time>)")
 
+    pl = sub.add_parser("plan", help="a recipe's placement (actor -> GPU) and per-GPU memory on its hardware")
+    pl.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    pl.add_argument("--nodes", type=int, help="nodes (default: the recipe's cluster.nodes)")
+    pl.add_argument("--gpus-per-node", type=int, help="default: the recipe's cluster.gpus_per_node")
+    pl.add_argument("--gpu-memory", type=float, metavar="GiB", help="default: the recipe's cluster.gpu_memory_gib")
+    pl.add_argument("overrides", nargs="*", metavar="section.key=value")
+
     from miles_agent.registry import KINDS
 
     for kind in KINDS:
@@ -117,6 +124,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
           f"over {int(report['episodes'])} episodes ({int(report['failed'])} failed, "
           f"{int(report.metrics.get('refused', 0))} refused); "
           f"per-task results in {report.job_dir}/results.jsonl")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from miles_agent.config import load_config
+    from miles_agent.registry import load
+
+    planner = load("planners", "default")  # runtime/plan.py: the placement follows the Ray launcher's
+    print(planner(load_config(args.recipe, list(args.overrides)), args.nodes, args.gpus_per_node, args.gpu_memory))
     return 0
 
 
@@ -279,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_eval(args)
         if args.command == "sandbox":
             return cmd_sandbox_reap(args) if args.action == "reap" else cmd_sandbox_exec(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "warmstart":
             return cmd_warmstart(args)
         if args.command in ("report", "replay"):

@@ -38,6 +38,8 @@ class ModelConfig:
     warm_start: str | None = None  # "builtin" = the env's own SFT warm start (made once, cached)
     dtype: str = "float32"
     device: str = "cpu"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # to every apply_chat_template, e.g. enable_thinking: false
+    family: str = "auto"  # chat/tool-call format (docs/recipes.md); auto = from config.json's model_type
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,10 @@ class ClusterConfig:
     health_check_interval_s: float = 2.0
     health_check_timeout_s: float = 10.0  # an engine silent this long (or stuck with work) is restarted
     max_engine_restarts: int = 50  # over the whole run; past it the run stops with a clear error
+    # The hardware the recipe is written for (`miles-agent plan` checks the layout and memory against it).
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from miles_agent.errors import UserError
 
 KINDS = {"envs": "environment", "harnesses": "harness", "sandboxes": "sandbox", "trainers": "trainer",
          "engines": "rollout engine", "transports": "weight transport", "clusters": "cluster mode",
-         "critics": "critic", "sections": "config section"}
+         "critics": "critic", "sections": "config section", "planners": "placement planner",
+         "families": "chat/tool-call format"}
 
 
 @dataclass

@@ -23,16 +23,32 @@ class NotAppendOnly(Exception):
     """The chat template rendered an earlier part of the conversation differently after new messages."""
 
 
+def with_chat_options(tokenizer: Any, template_kwargs: dict[str, Any], tool_call_format: Any = None) -> Any:
+    """The run's tokenizer carries ``model.chat_template_kwargs`` (e.g. ``enable_thinking: false``) and the
+    family's tool-call format, so every render and parse of it -- harness, proxy, SFT data -- uses them: it is
+    the object every renderer and harness is given."""
+    tokenizer.chat_template_kwargs = dict(template_kwargs)
+    if tool_call_format is not None:
+        tokenizer.tool_call_format = tool_call_format
+    return tokenizer
+
+
+def template_kwargs(tokenizer: Any) -> dict[str, Any]:
+    return dict(getattr(tokenizer, "chat_template_kwargs", None) or {})  # a bare HF tokenizer has none
+
+
 class ChatRenderer:
     """Renders with the tokenizer's own chat template; tokenizes only what is new."""
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self.template_kwargs = template_kwargs(tokenizer)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -42,12 +58,14 @@ class ChatRenderer:
         return self.encode(self.render(messages, add_generation_prompt=True))
 
     def observation_ids(self, history: list[dict[str, Any]], new_messages: list[dict[str, Any]],
-                        sampled_stop_text: str) -> list[int]:
+                        sampled_stop_text: str, sampled_text: str | None = None) -> list[int]:
         """Ids to append after the model's last turn so the token history equals a full render.
 
         ``history`` ends with the assistant message whose content is the decoded sampled text without
         its stop token; ``sampled_stop_text`` is that stop token's text ("" if the turn was cut by a
         length limit, in which case the template's end-of-turn marker is appended as observation).
+        ``sampled_text``: the turn's text as sampled, when the message is structured (``tool_calls``) rather
+        than that text as content; what follows it in the render is the template's end of turn.
         """
         if not history or history[-1].get("role") != "assistant":
             raise ValueError("history must end with the assistant turn the model just sampled")
@@ -55,10 +73,13 @@ class ChatRenderer:
         after = self.render(history + new_messages, add_generation_prompt=True)
         if not after.startswith(before):
             raise NotAppendOnly(_first_difference(before, after))
-        tail = self._after_assistant_content(history)
+        tail = self._after_assistant_content(history) if sampled_text is None else _after(before, sampled_text)
+        delta = after[len(before):]
         if sampled_stop_text and tail.startswith(sampled_stop_text):
             tail = tail[len(sampled_stop_text):]
-        return self.encode(tail + after[len(before):])
+        elif sampled_stop_text and not tail and delta.startswith(sampled_stop_text):
+            delta = delta[len(sampled_stop_text):]  # no end-of-turn token (GLM): the next role's tag stopped it
+        return self.encode(tail + delta)
 
     def _after_assistant_content(self, history: list[dict[str, Any]]) -> str:
         """What the template writes after the last assistant message's content (e.g. '<|im_end|>\\n')."""
@@ -68,6 +89,13 @@ class ChatRenderer:
         if idx < 0:
             raise NotAppendOnly("the chat template does not render assistant content verbatim")
         return text[idx + len(_SENTINEL):]
+
+
+def _after(before: str, sampled_text: str) -> str:
+    idx = before.rfind(sampled_text)
+    if idx < 0:
+        raise NotAppendOnly("the chat template renders the model's turn differently from the text it sampled")
+    return before[idx + len(sampled_text):]
 
 
 def _first_difference(a: str, b: str) -> str:

@@ -73,7 +73,9 @@ class RayCluster:
         if self.session is None:
             cfg, c = self.cfg, self.cfg.cluster
             started = ray_cluster.connect(c, needed_cpus=(cfg.train.world_size + c.num_engines) * c.cpus_per_actor * 2)
-            self.session = RaySession(ray_cluster.place(c, cfg.train.world_size), started, loopback=not c.ray_address)
+            span = cfg.sglang.tp_size if cfg.rollout.engine == "sglang" and c.colocate else 1  # GPUs per server
+            self.session = RaySession(ray_cluster.place(c, cfg.train.world_size, span), started,
+                                      loopback=not c.ray_address)
         return self.session
 
     def trainer(self, model: Any, tokenizer: Any) -> Any:

@@ -6,7 +6,9 @@ Topology (``cluster`` config section, ``train.world_size`` trainer ranks):
   per engine ``{CPU, GPU: gpus_per_engine}``, in one placement group, so trainer and engines never
   share a device.
 * colocated (``colocate: true``): one bundle per trainer rank; engine ``i`` shares bundle ``i`` with
-  trainer rank ``i`` (fractional GPUs), and releases its memory while the trainer trains.
+  trainer rank ``i`` (fractional GPUs), and releases its memory while the trainer trains. An engine that
+  spans ``span`` GPUs (an SGLang server with ``tp_size`` > 1) sits in bundle ``i * span`` and uses the GPUs
+  of ranks ``i * span .. (i + 1) * span - 1`` (runtime/sglang_actor.py points its server at them).
 
 Without ``ray_address`` Ray starts on this machine, loopback only, without a dashboard; with one
 (``auto`` or ``host:port``) the driver joins that cluster. When the caller already initialised Ray
@@ -68,6 +70,7 @@ class Placement:
     trainer_gpus: float
     engine_gpus: float
     cpus: float
+    engine_span: int = 1  # colocated: trainer ranks (bundles) one engine covers, from its own bundle on
 
     def options(self, bundle: int, gpus: float) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -88,8 +91,10 @@ class Placement:
         remove_placement_group(self.group)
 
 
-def bundle_specs(cluster: ClusterConfig, world_size: int) -> tuple[list[dict[str, float]], list[int], list[int]]:
-    """(bundles, trainer rank -> bundle, engine -> bundle) for the configured topology; pure, so testable."""
+def bundle_specs(cluster: ClusterConfig, world_size: int, engine_span: int = 1
+                 ) -> tuple[list[dict[str, float]], list[int], list[int]]:
+    """(bundles, trainer rank -> bundle, engine -> bundle) for the configured topology; pure, so testable.
+    ``engine_span``: GPUs one colocated engine covers (its first bundle is the one it is placed in)."""
     c = cluster
     if c.num_engines < 1:
         raise UserError(f"cluster.num_engines must be >= 1, got {c.num_engines}")
@@ -100,26 +105,27 @@ def bundle_specs(cluster: ClusterConfig, world_size: int) -> tuple[list[dict[str
         return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
 
     if c.colocate:
-        if c.num_engines > world_size:
-            raise UserError(f"cluster.colocate puts each engine beside a trainer rank: num_engines={c.num_engines} "
-                            f"needs train.world_size >= {c.num_engines} (or set cluster.colocate=false)")
+        if c.num_engines * engine_span > world_size:
+            raise UserError(f"cluster.colocate puts each engine beside {engine_span} trainer rank(s): num_engines="
+                            f"{c.num_engines} needs train.world_size >= {c.num_engines * engine_span} "
+                            "(or set cluster.colocate=false)")
         share = c.trainer_gpus + c.gpus_per_engine
         if share > 1:
             raise UserError(f"colocated trainer_gpus + gpus_per_engine = {share:g} must fit one device (<= 1), "
                             "e.g. cluster.trainer_gpus=0.5 cluster.gpus_per_engine=0.5")
         bundles = [bundle(2 * c.cpus_per_actor, math.ceil(share)) for _ in range(world_size)]
-        return bundles, list(range(world_size)), list(range(c.num_engines))
+        return bundles, list(range(world_size)), [i * engine_span for i in range(c.num_engines)]
     bundles = [bundle(c.cpus_per_actor, c.trainer_gpus) for _ in range(world_size)]
     bundles += [bundle(c.cpus_per_actor, c.gpus_per_engine) for _ in range(c.num_engines)]
     return bundles, list(range(world_size)), list(range(world_size, world_size + c.num_engines))
 
 
-def place(cluster: ClusterConfig, world_size: int) -> Placement:
+def place(cluster: ClusterConfig, world_size: int, engine_span: int = 1) -> Placement:
     """Reserve the bundles (PACK: one node when it fits) and wait until Ray grants them."""
     ray = ray_module()
     from ray.util.placement_group import placement_group
 
-    bundles, trainer_b, engine_b = bundle_specs(cluster, world_size)
+    bundles, trainer_b, engine_b = bundle_specs(cluster, world_size, engine_span)
     group = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
@@ -131,7 +137,7 @@ def place(cluster: ClusterConfig, world_size: int) -> Placement:
                         f"within {PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.available_resources()}. "
                         "Lower train.world_size / cluster.num_engines / GPU shares, or add nodes")
     return Placement(group, trainer_b, engine_b, cluster.trainer_gpus, cluster.gpus_per_engine,
-                     cluster.cpus_per_actor)
+                     cluster.cpus_per_actor, engine_span if cluster.colocate else 1)
 
 
 def where_am_i() -> dict[str, Any]:

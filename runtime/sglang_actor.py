@@ -6,7 +6,9 @@ The driver talks HTTP to the servers directly (`SGLangEngine`); the actor is onl
 keeper, so a server on another node is launched and supervised on that node.
 
 With ``cluster.colocate=true`` server ``i`` shares trainer rank ``i``'s bundle and device and gives its
-memory back around every train step (runtime/sglang_colocate.py).
+memory back around every train step (runtime/sglang_colocate.py). A server with ``tp_size`` k > 1 sits in
+rank ``i * k``'s bundle and is pointed at the GPUs of ranks ``i * k .. i * k + k - 1`` (their
+``CUDA_VISIBLE_DEVICES``, read off the ranks), which must be on one node.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ def remote_server_class() -> Any:
     @ray.remote(num_cpus=0, max_restarts=0)
     class SGLangServerActor:
         def __init__(self, launch: str, model_path: str, server_args: dict[str, Any], log_path: str,
-                     loopback: bool) -> None:
+                     loopback: bool, visible_devices: str = "") -> None:
+            import os
+
             from miles_agent.engines.sglang.server import SGLangServer, free_port, server_argv
 
+            if visible_devices:  # a TP server over several colocated ranks' GPUs (the server inherits it)
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
             host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
             port = free_port(host)
             self._url = f"http://{host}:{port}"
@@ -134,6 +140,28 @@ class SGLangActorGroup:
             e.process.stop()
 
 
+def span_devices(sess: Any) -> list[str]:
+    """Per engine, the CUDA_VISIBLE_DEVICES of the colocated ranks it spans ("" = Ray's own for its bundle)."""
+    p = sess.placement
+    if p.engine_span <= 1:
+        return [""] * len(p.engine_bundles)
+    from miles_agent.errors import UserError
+
+    if sess.trainer is None:
+        raise UserError("colocated SGLang servers with sglang.tp_size > 1 take their GPUs from the trainer ranks; "
+                        "build the trainer first (or set cluster.colocate=false)")
+    ranks = sess.trainer.where()
+    out = []
+    for first in p.engine_bundles:
+        span = ranks[first:first + p.engine_span]
+        if len({r["node_id"] for r in span}) > 1:
+            raise UserError(f"a server with sglang.tp_size={p.engine_span} would span nodes (ranks {first}.."
+                            f"{first + p.engine_span - 1}); SGLang servers across nodes are not launched under Ray "
+                            "yet: use a tp_size of at most the GPUs per node")
+        out.append(",".join(g for r in span for g in r["gpu_ids"]))
+    return out
+
+
 def build_sglang_actor_engines(cfg: Any, model: Any, tokenizer: Any, sess: Any) -> list[Any]:
     """One server per engine bundle of the placement (``cluster.num_engines``), each launched by its actor."""
     from miles_agent.engines.sglang import client_options, connect_clients, launch_args, model_folder
@@ -148,12 +176,13 @@ def build_sglang_actor_engines(cfg: Any, model: Any, tokenizer: Any, sess: Any) 
         args = {**MEMORY_SAVER_ARGS, **args}
     model_path = model_folder(cfg, model, tokenizer)
     cls = remote_server_class()
+    visible = span_devices(sess)
     actors = []
     try:
         for i in range(cfg.cluster.num_engines):
             log = str(Path(cfg.run.run_dir).resolve() / "sglang" / f"server{i}.log")
             actors.append(cls.options(**sess.placement.engine_options(i)).remote(
-                sg.launch_command or DEFAULT_LAUNCH, model_path, args, log, sess.loopback))
+                sg.launch_command or DEFAULT_LAUNCH, model_path, args, log, sess.loopback, visible[i]))
         import ray
 
         urls = ray.get([a.url.remote() for a in actors])

@@ -27,6 +27,7 @@ from miles_agent.engine import Completion, FinishReason
 from miles_agent.harnesses.proxy.openai_tool_calls import split_tool_calls
 from miles_agent.harnesses.proxy.protocol import ProxyError, message_key, tools_key
 from miles_agent.tito import ChatRenderer, NotAppendOnly
+from miles_agent.tool_calls import tool_format
 from miles_agent.types import Trajectory
 
 
@@ -51,6 +52,7 @@ class Branch:
     client: list[dict[str, Any]] = field(default_factory=list)  # the conversation as the client sees it
     text: str = ""  # completions branches: prompt and completions as the client sees them
     stop_text: str = ""  # text of the stop token the last turn sampled ("" when none)
+    sampled: str | None = None  # the last turn's text when its raw message is structured (GLM, gpt-oss)
     busy: bool = False
 
 
@@ -111,7 +113,8 @@ class SessionHistory:
         else:
             new = messages[len(branch.keys):]
             try:
-                obs = branch.renderer.observation_ids(branch.raw, [dict(m) for m in new], branch.stop_text)
+                obs = branch.renderer.observation_ids(branch.raw, [dict(m) for m in new], branch.stop_text,
+                                                      sampled_text=branch.sampled)
                 pending = Pending(branch, False, obs, branch.traj.tokens + obs, messages=new)
             except NotAppendOnly as e:
                 reason = f"the chat template is not append-only here: {e}"
@@ -168,13 +171,16 @@ class SessionHistory:
         self.aborted = self.aborted or aborted
         self.last = b
         stop_text, raw, text = self._split_stop(c)
-        content, calls = split_tool_calls(text) if pending.parse_tools else (text, [])
+        fmt = tool_format(self.tokenizer)  # the model family's tool-call form
+        content, calls = split_tool_calls(text, fmt) if pending.parse_tools else (text, [])
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = calls
         if b.chat:
             new = [dict(m) for m in pending.messages]
-            b.raw += new + [{"role": "assistant", "content": raw}]
+            message = fmt.assistant_message(raw)
+            b.raw += new + [message]
+            b.sampled = raw if message.get("content") != raw else None
             b.client += new + [reply]
             b.keys += [message_key(m) for m in new] + [message_key(reply)]
         else:

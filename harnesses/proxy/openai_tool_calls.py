@@ -12,15 +12,16 @@ import json
 import uuid
 from typing import Any
 
-from miles_agent.tool_calls import scan_tool_calls
+from miles_agent.tool_calls import QWEN, ToolCallFormat
 
 
-def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content without the parsed blocks, or None when nothing but tool calls is left; OpenAI tool_calls)."""
+def split_tool_calls(text: str, fmt: ToolCallFormat = QWEN) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content without the parsed blocks, or None when nothing but tool calls is left; OpenAI tool_calls),
+    the blocks in the model family's format (the run's tokenizer carries it)."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     cursor = 0
-    for block in scan_tool_calls(text):
+    for block in fmt.scan(text):
         if not block.ok:
             continue
         kept.append(text[cursor:block.start])

@@ -29,4 +29,8 @@ def load_policy(cfg: Config, env: Environment) -> tuple[Any, Any]:
         model, tokenizer = load_hf(m.warm_start, m.dtype)
     else:
         model, tokenizer = build_tiny(m.arch, seed=cfg.run.seed, dtype=m.dtype)
-    return model.to(m.device), tokenizer
+    from miles_agent.tito import with_chat_options
+    from miles_agent.tool_calls import choose_format
+
+    fmt = choose_format(m.family, getattr(model, "config", None))
+    return model.to(m.device), with_chat_options(tokenizer, m.chat_template_kwargs, fmt)

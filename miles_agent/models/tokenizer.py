@@ -89,9 +89,11 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:  # noqa: ANN001
-    """Ids that end an assistant turn: EOS and, where the vocabulary has them, the chat end markers."""
+    """Ids that end an assistant turn: EOS and, where the vocabulary has them, the chat end markers and the
+    stop tokens of the model's family."""
     ids = {tokenizer.eos_token_id}
-    for t in ("<|im_end|>", "<|endoftext|>"):
+    family = getattr(tokenizer, "tool_call_format", None)  # a family's own turn ends (GLM's <|observation|>)
+    for t in ("<|im_end|>", "<|endoftext|>", *getattr(family, "stop_tokens", ())):
         tid = tokenizer.convert_tokens_to_ids(t)
         if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
             ids.add(tid)

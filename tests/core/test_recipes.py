@@ -58,3 +58,18 @@ def test_a_layout_that_does_not_fit_is_caught():
         ParallelSizes(tensor=3).check(spec, world_size=6)
     with pytest.raises(UserError, match="expert_parallel"):
         ParallelSizes(tensor=2, expert=32).check(spec, world_size=16)  # 32 expert ranks > 16 ranks per stage
+
+
+@pytest.mark.parametrize("name", REAL_MODEL_RECIPES)
+def test_under_ray_the_recipe_reserves_the_gpus_it_states(name):
+    from miles_agent.runtime.ray_cluster import bundle_specs
+
+    cfg = load_config(name)
+    c = cfg.cluster
+    assert (c.mode, c.colocate) == ("ray", True), f"{name}: a GPU recipe states its layout"
+    span = cfg.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
+    bundles, ranks, engines = bundle_specs(c, cfg.train.world_size, span)
+    assert sum(b.get("GPU", 0) for b in bundles) == cfg.train.world_size <= c.nodes * c.gpus_per_node
+    assert len(engines) == c.num_engines and engines[-1] + span <= len(ranks)
+    if cfg.rollout.engine == "sglang":
+        assert c.num_engines == cfg.sglang.num_servers
