@@ -64,7 +64,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from miles_agent.errors import UserError, require
-from miles_agent.sandbox import ExecResult, SandboxError, SandboxLimits, SandboxSpec, VerifierResult, VerifierRun
+from miles_agent.sandbox import (
+    ExecResult,
+    SandboxError,
+    SandboxLimits,
+    SandboxSpec,
+    VerifierResult,
+    VerifierRun,
+)
 
 from ._docker_build import ensure_built, ensure_image, image_workdir
 from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox, RemoteSandboxOptions

@@ -76,6 +76,13 @@ class HarborTask:
     solution_env: dict[str, str] = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)  # workspace-relative path -> source file
     container_reasons: tuple[str, ...] = ()  # why the task needs its own image; empty = runs locally
+    # Read for container backends: [environment] network_mode = "public" / allow_internet = true (an explicit
+    # request), cpus, workdir (overrides the image's WORKDIR) and env alone (without the Dockerfile's ENV,
+    # which a built image applies itself).
+    network: bool = False
+    cpus: float | None = None
+    workdir_override: str | None = None
+    environment_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def needs_container(self) -> bool:
@@ -411,7 +418,42 @@ def load_task(task_dir: str | Path) -> HarborTask:
         env={**(plan.env if plan else {}), **_str_map(env_section, "environment", toml_path)},
         verifier_env=_str_map(verifier, "verifier", toml_path),
         solution_env=_str_map(_table(data, "solution", toml_path), "solution", toml_path),
-        files=files, container_reasons=tuple(reasons))
+        files=files, container_reasons=tuple(reasons),
+        network=_network_request(env_section, toml_path), cpus=_cpus(env_section, toml_path),
+        workdir_override=_workdir_override(env_section, toml_path),
+        environment_env=_str_map(env_section, "environment", toml_path))
+
+
+def _network_request(env_section: dict[str, Any], where: Path) -> bool:
+    """Whether the task explicitly asks for the network: ``network_mode = "public"`` (or "allowlist",
+    which needs it) or the older ``allow_internet = true``."""
+    mode = env_section.get("network_mode")
+    if mode is not None and mode not in ("public", "no-network", "allowlist"):
+        raise TaskFormatError(f"{where}: [environment] network_mode must be \"public\", \"no-network\" or "
+                              f"\"allowlist\", got {mode!r}")
+    allow = env_section.get("allow_internet")
+    if allow is not None and not isinstance(allow, bool):
+        raise TaskFormatError(f"{where}: [environment] allow_internet must be true or false, got {allow!r}")
+    return mode in ("public", "allowlist") or (mode is None and allow is True)
+
+
+def _cpus(env_section: dict[str, Any], where: Path) -> float | None:
+    value = env_section.get("cpus")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise TaskFormatError(f"{where}: [environment] cpus must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _workdir_override(env_section: dict[str, Any], where: Path) -> str | None:
+    value = env_section.get("workdir")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise TaskFormatError(f"{where}: [environment] workdir must be an absolute path such as \"/app\", "
+                              f"got {value!r}")
+    return posixpath.normpath(value)
 
 
 def load_tasks(tasks_dir: str | Path) -> list[HarborTask]:
