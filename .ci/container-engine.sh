@@ -102,6 +102,52 @@ engine_images() {
     $lib/debian:bookworm-slim
 }
 
+# python:3.12-slim is Debian bookworm with CPython 3.12 compiled on it; no Debian release packages 3.12, but a
+# pyenv build of it on this Debian 12 machine is exactly that. Copied in at its own prefix (its rpath), put
+# first on PATH; skipped (tasks on python:3.12-* then say to load the image) when no such build is here.
+engine_python312() {
+  export CONTAINERS_CONF="$CONF"
+  local lib=docker.io/library prefix
+  podman image exists $lib/python:3.12-slim && return 0
+  prefix=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.* 2>/dev/null | tail -1)
+  if [ -z "$prefix" ] || [ ! -x "$prefix/bin/python3.12" ]; then
+    echo "container-engine: no CPython 3.12 build here; python:3.12-slim not made" >&2
+    return 0
+  fi
+  local stage cid
+  stage=$(mktemp -d)
+  mkdir -p "$stage$(dirname "$prefix")"
+  cp -a "$prefix" "$stage$prefix"
+  # Only CPython and pip: nothing this machine added to its site-packages.
+  find "$stage$prefix/lib/python3.12/site-packages" -maxdepth 1 -name '*.pth' -delete
+  rm -rf "$stage$prefix/lib/python3.12/test"
+  cid=$(podman create localhost/miles-agent/bookworm-python3.11:latest true)
+  podman cp "$stage/." "$cid:/"
+  podman commit --quiet \
+    --change "ENV PATH=$prefix/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+    --change 'ENV PIP_BREAK_SYSTEM_PACKAGES=1' --change 'CMD ["bash"]' \
+    "$cid" localhost/miles-agent/bookworm-python3.12:latest >/dev/null
+  podman rm "$cid" >/dev/null
+  rm -rf "$stage"
+  for tag in $lib/python:3.12-slim $lib/python:3.12-slim-bookworm $lib/python:3.12; do
+    podman tag localhost/miles-agent/bookworm-python3.12:latest "$tag"
+  done
+}
+
+# For tasks that name no image (they need only host tools): the trixie image plus the tools such tasks
+# use that a slim image lacks (git, jq, ...). Pass it as the docker sandbox's `image` option.
+engine_tools_image() {
+  export CONTAINERS_CONF="$CONF"
+  local tag=localhost/miles-agent/task-tools:latest ctx
+  podman image exists $tag && return 0
+  ctx=$(mktemp -d)
+  printf '%s\n' 'FROM localhost/miles-agent/trixie-python3.13:latest' \
+    'RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends git jq less file unzip zip xz-utils bc sqlite3 >/dev/null && rm -rf /var/lib/apt/lists/*' \
+    > "$ctx/Dockerfile"
+  podman build --quiet --tag $tag "$ctx" >/dev/null
+  rm -rf "$ctx"
+}
+
 case "${1:-up}" in
   stop) engine_stop ;;
   up|"")
@@ -109,6 +155,8 @@ case "${1:-up}" in
     engine_conf
     engine_start
     engine_images
+    engine_python312
+    engine_tools_image
     export MILES_AGENT_DOCKER_TEST_URL="unix://$SOCK"
     export MILES_AGENT_DOCKER_TEST_IMAGE="localhost/miles-agent/trixie-python3.13:latest"
     echo "container-engine: podman at $MILES_AGENT_DOCKER_TEST_URL, test image $MILES_AGENT_DOCKER_TEST_IMAGE" >&2
