@@ -2,7 +2,7 @@
 # A real container engine for the docker backend's tests: podman (runc runtime) behind a Docker-API socket of
 # its own, and offline base images made from Debian packages (no registry is needed or reached).
 #
-#   source .ci/container-engine.sh     # exports MILES_AGENT_DOCKER_TEST_URL / _IMAGE (and DOCKER_HOST unset)
+#   source .ci/container-engine.sh up  # exports MILES_AGENT_DOCKER_TEST_URL / _IMAGE, MILES_AGENT_TEST_DOCKER, DOCKER_HOST
 #   .ci/container-engine.sh stop       # ends the service this script started
 #
 # Why runc: podman's default crun fails on a cgroup-v1 hybrid layout. Why explicit ulimits: without
@@ -159,6 +159,8 @@ case "${1:-up}" in
     engine_tools_image
     export MILES_AGENT_DOCKER_TEST_URL="unix://$SOCK"
     export MILES_AGENT_DOCKER_TEST_IMAGE="localhost/miles-agent/trixie-python3.13:latest"
+    # The shared remote-backend contract suite too (tests/sandboxes/test_remote_contract.py).
+    export MILES_AGENT_TEST_DOCKER=1 DOCKER_HOST="unix://$SOCK"
     echo "container-engine: podman at $MILES_AGENT_DOCKER_TEST_URL, test image $MILES_AGENT_DOCKER_TEST_IMAGE" >&2
     ;;
   *) echo "usage: $0 [up|stop]" >&2; exit 2 ;;

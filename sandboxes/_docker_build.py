@@ -186,5 +186,7 @@ def _split(image: str) -> tuple[str, str]:
 
 
 def image_workdir(inspect: dict) -> str | None:
-    """The image's own WORKDIR (None when it sets none)."""
-    return ((inspect.get("Config") or {}).get("WorkingDir") or None)
+    """The image's own WORKDIR; None when it sets none or "/" (what a `commit` leaves): the root is no
+    place to work, and the sandbox's /workspace is used instead."""
+    workdir = (inspect.get("Config") or {}).get("WorkingDir") or ""
+    return None if workdir.rstrip("/") == "" else workdir
