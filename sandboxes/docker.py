@@ -117,6 +117,7 @@ class DockerSandboxOptions(RemoteSandboxOptions):
     api_timeout_s: float = 60.0
     build_timeout_s: float = 3600.0
     nproc: int = DEFAULT_NPROC
+    keep_agent_processes: bool = False
 
 
 class DockerSandbox(RemoteSandbox):
@@ -130,10 +131,13 @@ class DockerSandbox(RemoteSandbox):
 
     def __init__(self, *, base_url: str | None = None, image: str = DEFAULT_IMAGE, network: str | bool = "task",
                  cpus: float | None = None, tmp_bytes: int = DEFAULT_TMP_BYTES, api_timeout_s: float = 60.0,
-                 build_timeout_s: float = 3600.0, nproc: int = DEFAULT_NPROC, **kwargs: Any) -> None:
+                 build_timeout_s: float = 3600.0, nproc: int = DEFAULT_NPROC, keep_agent_processes: bool = False,
+                 **kwargs: Any) -> None:
         """``image``: used when the task names none. ``network``: "task" (on when the task asks), "off",
         "on" (True/False read as "on"/"off"). ``cpus``: CPU quota when the task sets none. ``tmp_bytes``:
-        size of the tmpfs on /tmp. Other keywords: see RemoteSandbox (ttl_s, retry)."""
+        size of the tmpfs on /tmp. ``keep_agent_processes``: leave what the agent started running for the
+        verifier, as Harbor does (services a test checks stay up; a background loop can then forge the
+        reward file). Other keywords: see RemoteSandbox (ttl_s, retry)."""
         super().__init__(**kwargs)
         policy = {True: "on", False: "off"}.get(network, network) if isinstance(network, bool) else network
         if policy not in NETWORK_POLICIES:
@@ -147,6 +151,7 @@ class DockerSandbox(RemoteSandbox):
         self.api_timeout_s = api_timeout_s
         self.build_timeout_s = build_timeout_s
         self.nproc = nproc
+        self.keep_agent_processes = keep_agent_processes
         self.network_on = False  # decided per episode in _create
         self.image = ""  # what the container runs (a built tag or a named image)
         self.api: Any = None
@@ -233,7 +238,10 @@ class DockerSandbox(RemoteSandbox):
 
     async def end_agent_processes(self) -> None:
         """SIGKILL every process of the container but its main one (our ``sleep``) and this command's own
-        chain. Guarded on PID 1 being our ``sleep``, so it can never run where PID 1 is not ours."""
+        chain. Guarded on PID 1 being our ``sleep``, so it can never run where PID 1 is not ours. Nothing
+        with ``keep_agent_processes``."""
+        if self.keep_agent_processes:
+            return
         ttl = int(self.ttl_s)
         script = (f'[ "$(tr "\\0" " " < /proc/1/cmdline)" = "sleep {ttl} " ] || exit 0; '
                   'for d in /proc/[0-9]*; do p=${d#/proc/}; '
@@ -248,7 +256,19 @@ class DockerSandbox(RemoteSandbox):
             self._check_running()
             for target, source in sorted(run.host_dirs.items()):
                 await asyncio.to_thread(self.call, f"copy {source} to {target}", self._put_host_dir, source, target)
-        return await super().run_verifier(run)
+        verdict = await super().run_verifier(run)
+        if verdict.result is not None:
+            # The base lists the outputs with a short exec, whose output podman's exec attach can lose
+            # when the command exits at once: an output it did not list is asked for by the archive
+            # endpoint too (a regular file only, as the listing demands).
+            for name in run.outputs:
+                if name not in verdict.outputs:
+                    try:
+                        data = await asyncio.to_thread(self._read, posixpath.join(run.output_dir, name))
+                    except SandboxError:
+                        continue
+                    verdict.outputs[name] = data[:run.max_output_file_bytes]
+        return verdict
 
     def _put_host_dir(self, source: str, target: str) -> None:
         if not os.path.isdir(source):
