@@ -23,7 +23,7 @@ import math
 import re
 import shlex
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from miles_agent.environment import Environment, EnvSession, Reward, Task, ToolError
 from miles_agent.errors import UserError
@@ -37,8 +37,10 @@ from miles_agent.sandbox import (
     VerifierRun,
 )
 
-from . import verifier_toolchain
 from .harbor import HarborTask, load_tasks, staged_files
+
+if TYPE_CHECKING:
+    from .verifier_toolchain import Toolchain
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +161,7 @@ class TerminalBenchSession(EnvSession):
     tools = [BASH_TOOL]
 
     def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int,
-                 workspace: str = "/", toolchain: verifier_toolchain.Toolchain | None = None) -> None:
+                 workspace: str = "/", toolchain: Toolchain | None = None) -> None:
         self.task, self.sandbox, self.workspace = task, sandbox, workspace  # workspace: where WORKDIR lives
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.toolchain = toolchain  # the offline verifier toolchain, mounted for the verifier only
@@ -386,8 +388,11 @@ class TerminalBenchEnv(Environment):
         return result
 
 
-def _toolchain_for(setting: str | Path | None) -> verifier_toolchain.Toolchain | None:
-    return verifier_toolchain.resolve(setting)
+def _toolchain_for(setting: str | Path | None) -> Toolchain | None:
+    # Imported here: `python -m ...verifier_toolchain` must not find the module loaded by the package.
+    from .verifier_toolchain import resolve
+
+    return resolve(setting)
 
 
 def _container_message(t: HarborTask) -> str:
