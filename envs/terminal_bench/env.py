@@ -183,9 +183,11 @@ class TerminalBenchSession(EnvSession):
         self.agent_time_s += result.duration_s
         return _format_output(result, self.max_output_chars)
 
-    def verifier_run(self) -> VerifierRun:
+    def verifier_run(self, home: str | None = None) -> VerifierRun:
         """test.sh as Harbor runs it (``bash /tests/test.sh``), tests/ staged at /tests, with the offline
-        toolchain (when configured) mounted for it and laid out as uv's installer would."""
+        toolchain (when configured) mounted for it and laid out as uv's installer would. ``home``: the
+        HOME it runs with (the agent's, in a container: tests read ``~/.jupyter`` and the like), instead of
+        the sandbox's fresh one."""
         tests = _Layout(self.workspace, self.task.needs_container, self.task.workdir, harbor_paths=False)
         files = _folder_files(tests, self.task.path / "tests", "/tests", self.task.path)
         command, env, host_dirs = "bash /tests/test.sh", dict(self.task.verifier_env or {}), {}
@@ -193,6 +195,8 @@ class TerminalBenchSession(EnvSession):
             command = f"{self.toolchain.setup_command()}; {command}"
             env = {**self.toolchain.env_vars(), **env}  # the task's own settings win
             host_dirs = self.toolchain.host_dirs()
+        if home:
+            env = {"HOME": home, **env}
         return VerifierRun(command=command, files=files, output_dir=REWARD_DIR,
                            outputs=("reward.json", "reward.txt"), timeout_s=self.task.verifier_timeout_s,
                            env=env, host_dirs=host_dirs)
@@ -200,7 +204,7 @@ class TerminalBenchSession(EnvSession):
     async def score(self, messages: list[dict[str, Any]]) -> Reward:
         """Run tests/test.sh on the final state (`Sandbox.run_verifier`) and read the reward file it wrote.
         A reward below 1 keeps its reason in `reward_reason` (and the exit code in the parts)."""
-        verdict = await self.sandbox.run_verifier(self.verifier_run())
+        verdict = await self.sandbox.run_verifier(self.verifier_run(await self._container_home()))
         self.verifier_result = result = verdict.result
         if verdict.setup_error is not None:
             self.reward_reason = f"the verifier could not be set up after the agent acted: {verdict.setup_error}"
@@ -218,6 +222,17 @@ class TerminalBenchSession(EnvSession):
             self.reward_reason = f"{code}{why}{_output_tail(result)}"
             log.info("terminal-bench %s: reward %.3f: %s", self.task.name, reward.value, self.reward_reason)
         return reward
+
+
+    async def _container_home(self) -> str | None:
+        """The agent's HOME on a container backend, where Harbor's verifier shares it (the agent is root
+        in its own image there: a fresh HOME would guard nothing); None on the local sandbox, whose
+        verifier keeps its fresh home."""
+        if getattr(self.sandbox, "name", "local") == "local":
+            return None
+        found = await self.sandbox.exec('printf %s "$HOME"', timeout_s=30)
+        home = found.stdout.strip()
+        return home if found.exit_code == 0 and home.startswith("/") else None
 
 
 def _output_tail(result: ExecResult | None) -> str:

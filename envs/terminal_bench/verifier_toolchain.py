@@ -109,7 +109,7 @@ def task_requirements(tasks_dir: Path) -> list[str]:
     """Every ``name==version`` pin in the tasks' tests/test.sh files (what their verifiers install)."""
     pins: set[str] = set()
     for script in sorted(Path(tasks_dir).expanduser().glob("**/tests/test.sh")):
-        text = script.read_text(encoding="utf-8", errors="replace")
+        text = script.read_text(encoding="utf-8", errors="replace").replace("\\\n", " ")  # join continuations
         for line in text.splitlines():
             if re.search(r"\b(uv|uvx|pip3?|python3? -m pip)\b", line) and "==" in line:
                 pins.update(m.group(1).rstrip(".") for m in _PIN.finditer(line.replace('"', " ").replace("'", " ")))

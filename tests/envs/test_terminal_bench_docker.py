@@ -96,11 +96,12 @@ BUILT_DOCKERFILE = f"""\
 
 def test_a_built_task_runs_in_its_image_with_workdir_env_path_and_uid_1000_files(tmp_path):
     # solve.sh works in the WORKDIR (relative paths), uses the tool on the expanded PATH and rm (still on
-    # PATH), and extracts files owned by uid 1000; test.sh checks each from the verifier's side.
+    # PATH), extracts files owned by uid 1000 and configures its HOME; test.sh checks each from its side.
     write_task(tmp_path, "built", dockerfile=BUILT_DOCKERFILE, files={"data.tar": uid_1000_tar()},
                solve_sh="""\
                    tar xf data.tar && rm data.tar
                    greet > out.txt && pwd >> out.txt && echo "$APP_MODE" >> out.txt
+                   mkdir -p ~/.config/app && echo configured > ~/.config/app/state
                    """,
                test_sh="""\
                    #!/bin/bash
@@ -110,6 +111,7 @@ def test_a_built_task_runs_in_its_image_with_workdir_env_path_and_uid_1000_files
                    [ "$(stat -c %u "$APP_DIR/data/owned.txt")" = 1000 ] || ok=0
                    [ ! -e "$APP_DIR/data.tar" ] || ok=0
                    [ "$(pwd)" = /app ] || ok=0
+                   [ "$(cat ~/.config/app/state)" = configured ] || ok=0  # the agent's HOME, as in Harbor
                    mkdir -p /logs/verifier && echo $ok > /logs/verifier/reward.txt
                    """)
     env = TerminalBenchEnv(tmp_path, sandbox="docker", verifier_toolchain="none")

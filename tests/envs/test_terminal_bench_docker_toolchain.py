@@ -21,9 +21,10 @@ def test_pins_are_read_from_the_tasks_test_scripts(tmp_path):
     write(tmp_path / "a/tests/test.sh", "uv venv .v\nuv pip install pytest==8.4.1 'requests==2.32.3'\n"
                                         "echo numpy==9.9 > notes.txt\n")
     write(tmp_path / "b/tests/test.sh", "uvx -p 3.13 -w pytest==8.3.5 -w pytest-json-ctrf==0.3.5 pytest /tests\n"
-                                        'uv add "pandas[perf]==2.2.3" scipy\n')
+                                        'uv add "pandas[perf]==2.2.3" scipy\n'
+                                        "uv pip install \\\n  'shapely==2.1.1' \\\n  'timm==1.0.19'\n")
     assert vt.task_requirements(tmp_path) == ["pandas[perf]==2.2.3", "pytest-json-ctrf==0.3.5", "pytest==8.3.5",
-                                              "pytest==8.4.1", "requests==2.32.3"]
+                                              "pytest==8.4.1", "requests==2.32.3", "shapely==2.1.1", "timm==1.0.19"]
 
 
 def fake_toolchain(root: Path) -> Path:
