@@ -83,11 +83,11 @@ def truncate(text: str, limit: int) -> tuple[str, bool]:
     return f"{head}\n[... {len(data) - 2 * half} bytes dropped ...]\n{tail}", True
 
 
-def workspace_path(path: str) -> str:
-    """A workspace-relative or absolute path as an absolute path inside the sandbox."""
+def workspace_path(path: str, workdir: str = WORKDIR) -> str:
+    """A path relative to ``workdir`` (the sandbox's default cwd), or absolute, as an absolute path."""
     if not path:
         raise SandboxError("empty path")
-    return posixpath.normpath(posixpath.join(WORKDIR, path))
+    return posixpath.normpath(posixpath.join(workdir, path))
 
 
 # -- process-exit cleanup -------------------------------------------------------------------------
@@ -133,6 +133,9 @@ class RemoteSandbox(Sandbox):
         self._sleep = sleep or time.sleep
         self.handle: Any = None  # the service's object for our sandbox, set by _create as soon as it exists
         self.spec = SandboxSpec()
+        # The default cwd, where relative paths land: the spec's workdir, else the backend's workspace
+        # (a backend may set it from its image in `_create`, before the spec's files are written).
+        self.workdir = WORKDIR
         self._started = self._stopped = False
         self._destroy_lock = threading.Lock()
 
@@ -201,6 +204,7 @@ class RemoteSandbox(Sandbox):
             raise SandboxError(f"{self.name} sandbox: start() called twice; create one sandbox per episode")
         self._started = True
         self.spec = spec
+        self.workdir = spec.workdir or WORKDIR
         with _live_lock:
             _live[id(self)] = self
         creating = asyncio.ensure_future(asyncio.to_thread(self._create_and_seed, spec))
@@ -217,14 +221,14 @@ class RemoteSandbox(Sandbox):
     def _create_and_seed(self, spec: SandboxSpec) -> None:
         self._create(spec)
         for path, content in spec.files.items():
-            self.call(f"write {path}", self._write, workspace_path(path), content)
+            self.call(f"write {path}", self._write, workspace_path(path, self.workdir), content)
 
     async def exec(self, command: str, *, timeout_s: float | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None) -> ExecResult:
         self._check_running()
         limit = self.spec.limits.wall_time_s if timeout_s is None else timeout_s
         full_env = {**self.spec.env, **(env or {})}
-        where = workspace_path(cwd) if cwd else WORKDIR
+        where = workspace_path(cwd, self.workdir) if cwd else self.workdir
         # Not retried: a command may have side effects. Only the transport is the backend's to retry.
         result = await asyncio.to_thread(self.call, "exec", self._exec, command, float(limit), where, full_env,
                                          retry=False)
@@ -238,14 +242,14 @@ class RemoteSandbox(Sandbox):
 
     async def read_file(self, path: str) -> bytes:
         self._check_running()
-        return await asyncio.to_thread(self.call, f"read {path}", self._read, workspace_path(path))
+        return await asyncio.to_thread(self.call, f"read {path}", self._read, workspace_path(path, self.workdir))
 
     async def write_file(self, path: str, content: bytes) -> None:
         self._check_running()
         if len(content) > self.spec.limits.max_file_bytes:
             raise SandboxError(f"{self.name} sandbox: {path} is {len(content)} bytes, over max_file_bytes "
                                f"({self.spec.limits.max_file_bytes})")
-        await asyncio.to_thread(self.call, f"write {path}", self._write, workspace_path(path), content)
+        await asyncio.to_thread(self.call, f"write {path}", self._write, workspace_path(path, self.workdir), content)
 
     async def stop(self) -> None:
         self._stopped = True

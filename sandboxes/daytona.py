@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 from miles_agent.errors import require
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxSpec
 
-from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox, RemoteSandboxOptions
+from ._remote import TIMEOUT_EXIT_CODE, RemoteSandbox, RemoteSandboxOptions
 
 LABELS = {"miles-agent": "sandbox"}
 BACKSTOP_S = 5
@@ -128,7 +128,7 @@ class DaytonaSandbox(RemoteSandbox):
         except BaseException:
             self._adopt(name)  # created, but the reply was lost or the wait for it failed: remove it too
             raise
-        self.call("make workspace", self.handle.process.exec, f"mkdir -p {WORKDIR.lstrip('/')}", cwd="/",
+        self.call("make workspace", self.handle.process.exec, f"mkdir -p {self.workdir.lstrip('/')}", cwd="/",
                   timeout=60)
 
     def _adopt(self, name: str) -> None:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from miles_agent.errors import require
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxSpec
 
-from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox, RemoteSandboxOptions
+from ._remote import TIMEOUT_EXIT_CODE, RemoteSandbox, RemoteSandboxOptions
 
 METADATA = {"miles-agent": "sandbox"}
 KILLED_BY_SIGNAL = -1
@@ -92,10 +92,10 @@ class E2BSandbox(RemoteSandbox):
             metadata=dict(METADATA), envs=dict(spec.env), allow_internet_access=self.allow_internet_access,
             api_key=self.api_key, idempotency_key=key, **self._opts)
         # Relative to "/" rather than absolute: the same command, and the test fake can re-root it.
-        made = self.call("make workspace", self.handle.commands.run, f"mkdir -p {WORKDIR.lstrip('/')}", cwd="/",
+        made = self.call("make workspace", self.handle.commands.run, f"mkdir -p {self.workdir.lstrip('/')}", cwd="/",
                          timeout=60)
         if made.exit_code != 0:
-            raise SandboxError(f"e2b sandbox: cannot create {WORKDIR}: {made.stderr.strip()}")
+            raise SandboxError(f"e2b sandbox: cannot create {self.workdir}: {made.stderr.strip()}")
 
     def _exec(self, command: str, timeout_s: float, cwd: str, env: dict[str, str]) -> ExecResult:
         e2b = _e2b()

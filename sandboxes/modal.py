@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from miles_agent.errors import require
 from miles_agent.sandbox import ExecResult, SandboxError, SandboxSpec
 
-from ._remote import TIMEOUT_EXIT_CODE, WORKDIR, RemoteSandbox, RemoteSandboxOptions
+from ._remote import TIMEOUT_EXIT_CODE, RemoteSandbox, RemoteSandboxOptions
 
 BACKSTOP_S = 5
 TAGS = {"miles-agent": "sandbox"}
@@ -82,9 +82,9 @@ class ModalSandbox(RemoteSandbox):
         ttl = max(1, int(math.ceil(self.ttl_s)))
         self.handle = self.call(
             "create sandbox", modal.Sandbox.create, "sleep", "infinity", app=app, image=image, timeout=ttl,
-            workdir=WORKDIR, env=dict(spec.env) or None, memory=max(1, spec.limits.memory_bytes >> 20),
+            workdir=self.workdir, env=dict(spec.env) or None, memory=max(1, spec.limits.memory_bytes >> 20),
             cpu=self.cpu, block_network=not self.network, tags=dict(TAGS))
-        self.call("make workspace", self.handle.filesystem.make_directory, WORKDIR, create_parents=True)
+        self.call("make workspace", self.handle.filesystem.make_directory, self.workdir, create_parents=True)
 
     def _exec(self, command: str, timeout_s: float, cwd: str, env: dict[str, str]) -> ExecResult:
         err = self.modal.exception

@@ -24,20 +24,31 @@ import logging
 import math
 import shlex
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from miles_agent.environment import Environment, EnvSession, Reward, Task, ToolError
 from miles_agent.errors import UserError
-from miles_agent.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, VerifierRun
+from miles_agent.sandbox import (
+    ExecResult,
+    ImageBuild,
+    Sandbox,
+    SandboxError,
+    SandboxLimits,
+    SandboxSpec,
+    VerifierRun,
+)
 
 from .harbor import HarborTask, load_tasks, staged_files
+
+if TYPE_CHECKING:
+    from .verifier_toolchain import Toolchain
 
 log = logging.getLogger(__name__)
 
 SHIPPED_TASKS = Path(__file__).parent / "tasks"
-BUILD_IMAGE_PREFIX = "build:"  # spec.image for a task whose image is built from environment/Dockerfile
 REWARD_DIR = "/logs/verifier"
 SOLUTION_DIR = "/solution"
+REASON_TAIL_CHARS = 2000  # of the verifier's output, kept with a reward below 1
 
 BASH_TOOL: dict[str, Any] = {
     "type": "function",
@@ -118,23 +129,29 @@ class TerminalBenchSession(EnvSession):
 
     tools = [BASH_TOOL]
 
-    def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int) -> None:
+    def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int,
+                 toolchain: Toolchain | None = None) -> None:
         self.task, self.sandbox = task, sandbox
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
+        self.toolchain = toolchain  # the offline verifier toolchain, mounted for the verifier only
         self.agent_time_s = 0.0  # summed command time, held against the task's [agent] timeout_sec
         self.verifier_result: ExecResult | None = None  # kept for logs and debugging
+        self.reward_reason: str | None = None  # why the reward is below 1 (exit code, reward file, output tail)
         self.setup_steps, self.setup_s = 0, 0.0  # the Dockerfile RUN steps run locally before the agent
 
     def result_details(self) -> dict[str, Any]:
-        """For eval's per-task results: the verifier's exit code, output (tail and whole) and time, and
-        the local setup steps' time."""
+        """For eval's per-task results: the verifier's exit code, output (tail and whole) and time, the
+        local setup steps' time, and why the reward is below 1."""
         v = self.verifier_result
         out: dict[str, Any] = {"setup_steps": self.setup_steps, "setup_duration_s": round(self.setup_s, 3),
                                "agent_duration_s": round(self.agent_time_s, 3)}
+        if self.reward_reason:
+            out["reward_reason"] = self.reward_reason
         if v is not None:
             text = v.stdout + v.stderr
             out |= {"verifier_exit_code": v.exit_code, "verifier_duration_s": round(v.duration_s, 3),
-                    "verifier_timed_out": v.timed_out, "verifier_tail": text[-2000:], "verifier_stdout": text}
+                    "verifier_timed_out": v.timed_out, "verifier_tail": text[-REASON_TAIL_CHARS:],
+                    "verifier_stdout": text}
         return out
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
@@ -151,37 +168,85 @@ class TerminalBenchSession(EnvSession):
         self.agent_time_s += result.duration_s
         return _format_output(result, self.max_output_chars)
 
-    async def score(self, messages: list[dict[str, Any]]) -> Reward:
-        """Run tests/test.sh on the final state (`Sandbox.run_verifier`) and read the reward file it wrote."""
+    def verifier_run(self, home: str | None = None) -> VerifierRun:
+        """test.sh as Harbor runs it (``bash /tests/test.sh``), tests/ staged at /tests, with the offline
+        toolchain (when configured) mounted for it and laid out as uv's installer would. ``home``: the
+        HOME it runs with (the agent's, in a container: tests read ``~/.jupyter`` and the like), instead of
+        the sandbox's fresh one."""
         files = _folder_files(self.task.path / "tests", "/tests", self.task.path)
-        run = VerifierRun(command="bash /tests/test.sh", files=files,
-                          output_dir=REWARD_DIR, outputs=("reward.txt", "reward.json"),
-                          timeout_s=self.task.verifier_timeout_s, env=dict(self.task.verifier_env or {}))
-        verdict = await self.sandbox.run_verifier(run)
-        self.verifier_result = verdict.result
+        command, env, host_dirs = "bash /tests/test.sh", dict(self.task.verifier_env or {}), {}
+        if self.toolchain is not None:
+            command = f"{self.toolchain.setup_command()}; {command}"
+            env = {**self.toolchain.env_vars(), **env}  # the task's own settings win
+            host_dirs = self.toolchain.host_dirs()
+        if home:
+            env = {"HOME": home, **env}
+        return VerifierRun(command=command, files=files, output_dir=REWARD_DIR,
+                           outputs=("reward.json", "reward.txt"), timeout_s=self.task.verifier_timeout_s,
+                           env=env, host_dirs=host_dirs)
+
+    async def score(self, messages: list[dict[str, Any]]) -> Reward:
+        """Run tests/test.sh on the final state (`Sandbox.run_verifier`) and read the reward file it wrote.
+        A reward below 1 keeps its reason in `reward_reason` (and the exit code in the parts)."""
+        verdict = await self.sandbox.run_verifier(self.verifier_run(await self._container_home()))
+        self.verifier_result = result = verdict.result
         if verdict.setup_error is not None:
-            log.info("terminal-bench %s: the verifier could not be set up after the agent acted (%s); scored 0",
-                     self.task.name, verdict.setup_error)
+            self.reward_reason = f"the verifier could not be set up after the agent acted: {verdict.setup_error}"
+            log.info("terminal-bench %s: %s; scored 0", self.task.name, self.reward_reason)
             return Reward(0.0, {"tests_passed": 0.0, "verifier_setup_failed": 1.0})
-        if verdict.result is not None and verdict.result.timed_out:
+        if result is not None and result.timed_out:
+            self.reward_reason = (f"test.sh timed out after {self.task.verifier_timeout_s:.0f}s "
+                                  f"([verifier] timeout_sec){_output_tail(result)}")
             return Reward(0.0, {"tests_passed": 0.0, "verifier_timed_out": 1.0})
-        return _reward_from(verdict.outputs)
+        reward, why = _reward_from(verdict.outputs)
+        if reward.value < 1.0:
+            if result is not None:
+                reward = Reward(reward.value, {**reward.parts, "verifier_exit_code": float(result.exit_code)})
+            code = f"test.sh exited {result.exit_code}; " if result is not None else ""
+            self.reward_reason = f"{code}{why}{_output_tail(result)}"
+            log.info("terminal-bench %s: reward %.3f: %s", self.task.name, reward.value, self.reward_reason)
+        return reward
 
 
-def _reward_from(outputs: dict[str, bytes]) -> Reward:
-    """reward.txt wins over reward.json, as in Harbor; neither is the agent's failure, scored 0."""
-    for name, kind, cap in (("reward.txt", "txt", 4096), ("reward.json", "json", 65536)):
+    async def _container_home(self) -> str | None:
+        """The agent's HOME on a container backend, where Harbor's verifier shares it (the agent is root
+        in its own image there: a fresh HOME would guard nothing); None on the local sandbox, whose
+        verifier keeps its fresh home."""
+        if getattr(self.sandbox, "name", "local") == "local":
+            return None
+        found = await self.sandbox.exec('printf %s "$HOME"', timeout_s=30)
+        home = found.stdout.strip()
+        return home if found.exit_code == 0 and home.startswith("/") else None
+
+
+def _output_tail(result: ExecResult | None) -> str:
+    if result is None:
+        return ""
+    text = (result.stdout + result.stderr).strip()
+    return f"; its output ends: {text[-REASON_TAIL_CHARS:]}" if text else "; it printed nothing"
+
+
+def _reward_from(outputs: dict[str, bytes]) -> tuple[Reward, str]:
+    """The reward and what it was read from. reward.json wins over reward.txt, as in Harbor; a missing or
+    garbled file is the agent's failure, scored 0."""
+    for name, kind, cap in (("reward.json", "json", 65536), ("reward.txt", "txt", 4096)):
         if name in outputs:
-            values = _parse_reward(kind, outputs[name][:cap].decode("utf-8", errors="replace"))
+            body = outputs[name][:cap].decode("utf-8", errors="replace")
+            values = _parse_reward(kind, body)
             if values is None:
-                return Reward(0.0, {"tests_passed": 0.0, "reward_file_garbled": 1.0})
+                return (Reward(0.0, {"tests_passed": 0.0, "reward_file_garbled": 1.0}),
+                        f"{name} is not a reward ({body.strip()[:200]!r})")
             value, extra = values
-            return Reward(value, {"tests_passed": value, **extra})
-    return Reward(0.0, {"tests_passed": 0.0, "reward_file_missing": 1.0})
+            return Reward(value, {"tests_passed": value, **extra}), f"{name} says {body.strip()[:200]}"
+    return (Reward(0.0, {"tests_passed": 0.0, "reward_file_missing": 1.0}),
+            f"test.sh wrote neither reward.json nor reward.txt in {REWARD_DIR}")
 
 
 def _parse_reward(kind: str, body: str) -> tuple[float, dict[str, float]] | None:
-    """reward.txt: one number. reward.json: {"reward": x, ...} or a single numeric entry."""
+    """reward.txt: one number. reward.json: an object of numbers, Harbor's (multi-dimensional) rewards:
+    the scalar is its "reward" key, else its only key; with several keys and no "reward" Harbor names no
+    scalar (it aggregates each key apart), so the mean of the keys is the one trained on. The other keys
+    are returned as parts. A non-numeric value garbles the file, as in Harbor."""
     def number(v: object) -> float | None:
         if isinstance(v, bool) or not isinstance(v, int | float | str):
             return None
@@ -198,12 +263,17 @@ def _parse_reward(kind: str, body: str) -> tuple[float, dict[str, float]] | None
         data = json.loads(body)
     except json.JSONDecodeError:
         return None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or not data:
         return None
-    nums = {str(k): n for k, v in data.items() if (n := number(v)) is not None and not isinstance(v, str)}
-    if "reward" in nums:
-        return nums.pop("reward"), nums
-    return (next(iter(nums.values())), {}) if len(nums) == 1 else None
+    nums = {str(k): number(v) for k, v in data.items() if not isinstance(v, str)}
+    if len(nums) != len(data) or any(v is None for v in nums.values()):
+        return None
+    dims: dict[str, float] = {k: v for k, v in nums.items() if v is not None}
+    if "reward" in dims:
+        return dims.pop("reward"), dims
+    if len(dims) == 1:
+        return next(iter(dims.values())), {}
+    return sum(dims.values()) / len(dims), {**dims, "reward_dimensions": float(len(dims))}
 
 
 # -- the environment ------------------------------------------------------------------------------
@@ -219,12 +289,16 @@ class TerminalBenchEnv(Environment):
 
     def __init__(self, tasks_dir: str | Path | None = None, *, sandbox: str = "local",
                  sandbox_options: dict[str, Any] | None = None,
-                 command_timeout_s: float = 60.0, max_output_chars: int = 8000) -> None:
+                 command_timeout_s: float = 60.0, max_output_chars: int = 8000,
+                 verifier_toolchain: str | Path | None = "auto") -> None:
         """``sandbox`` names the configured backend: with "local", tasks that need their own image are
         left out of `tasks` (see `excluded`) because running them on the host would be wrong; with
-        "auto", only when no container engine is reachable (``sandbox_options``: auto's options)."""
+        "auto", only when no container engine is reachable (``sandbox_options``: auto's options).
+        ``verifier_toolchain``: the offline verifier toolchain (uv + a wheel cache) the verifier gets: a
+        prepared folder, "auto" (the default folder when prepared) or "none"."""
         self.tasks_dir = Path(tasks_dir) if tasks_dir else SHIPPED_TASKS
         self.sandbox, self.sandbox_options = sandbox, dict(sandbox_options or {})
+        self.toolchain = _toolchain_for(verifier_toolchain)
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.harbor_tasks = {t.name: t for t in load_tasks(self.tasks_dir)}
         self._warned = False
@@ -294,15 +368,25 @@ class TerminalBenchEnv(Environment):
         return self.harbor_tasks[name]
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
+        """On a container backend a task with its own image runs as Harbor runs it: ``docker_image``, or
+        environment/ built with its Dockerfile (files, ENV and WORKDIR come from the image; [environment]
+        workdir overrides it), with the task's network request, CPUs and memory."""
         t = self.harbor_task(task)
-        image = None
-        if t.needs_container:
-            image = t.docker_image or f"{BUILD_IMAGE_PREFIX}{t.path / 'environment'}"
         longest = max(t.agent_timeout_s, t.verifier_timeout_s)  # the default; each exec passes its own
         limits = SandboxLimits(wall_time_s=longest, cpu_time_s=math.ceil(longest),
                                **({"memory_bytes": t.memory_mb << 20} if t.memory_mb else {}))
+        dockerfile = t.path / "environment" / "Dockerfile"
+        # auto runs on local what runs there faithfully, so only a task that needs its image gets one.
+        wants_image = t.needs_container if self.sandbox == "auto" else self.sandbox != "local"
+        if wants_image and (t.docker_image or dockerfile.is_file()):
+            build = None if t.docker_image else ImageBuild(context=str(dockerfile.parent))
+            return SandboxSpec(image=t.docker_image, build=build, env=dict(t.environment_env), limits=limits,
+                               workdir=t.workdir_override, network=t.network, cpus=t.cpus)
+        if t.needs_container and wants_image:
+            raise UserError(f"terminal-bench: task {t.name} needs its own image ({'; '.join(t.container_reasons)}) "
+                            f"but has neither [environment] docker_image nor {dockerfile}; add one of them")
         files = {rel: src.read_bytes() for rel, src in t.files.items()}
-        return SandboxSpec(image=image, files=files, env=dict(t.env), limits=limits, workdir=t.workdir,
+        return SandboxSpec(files=files, env=dict(t.env), limits=limits, workdir=t.workdir,
                            network=t.network, cpus=t.cpus)
 
     async def open(self, task: Task, sandbox: Sandbox | None = None) -> EnvSession:
@@ -316,7 +400,8 @@ class TerminalBenchEnv(Environment):
         if executable:
             _check(await sandbox.exec("chmod +x -- " + " ".join(shlex.quote(p) for p in executable),
                                       timeout_s=30), "marking environment scripts executable")
-        session = TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars)
+        session = TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars,
+                                       toolchain=self.toolchain)
         if backend == "local":  # a container backend built the RUN steps into its image
             try:
                 steps = await run_setup(t, sandbox)
@@ -340,6 +425,13 @@ class TerminalBenchEnv(Environment):
             await sandbox.write_file(path, data)
         return await sandbox.exec(f"bash {SOLUTION_DIR}/solve.sh", timeout_s=t.agent_timeout_s,
                                   env=t.solution_env or None)
+
+
+def _toolchain_for(setting: str | Path | None) -> Toolchain | None:
+    # Imported here: `python -m ...verifier_toolchain` must not find the module loaded by the package.
+    from .verifier_toolchain import resolve
+
+    return resolve(setting)
 
 
 def _container_message(t: HarborTask) -> str:

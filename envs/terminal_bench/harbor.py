@@ -94,6 +94,11 @@ class HarborTask:
     solution_env: dict[str, str] = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)  # workdir-relative or absolute path -> source file
     container_reasons: tuple[str, ...] = ()  # why the task needs its own image; empty = runs locally
+    # For container backends, which build the image and so apply its Dockerfile themselves: [environment]
+    # workdir alone (it overrides the image's WORKDIR) and [environment] env alone (the Dockerfile's ENV must
+    # not override the built image's own expanded PATH).
+    workdir_override: str | None = None
+    environment_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def needs_container(self) -> bool:
@@ -453,7 +458,19 @@ def load_task(task_dir: str | Path) -> HarborTask:
         if plan else None, setup=tuple(plan.steps) if plan else (), workdirs=tuple(plan.workdirs) if plan else (),
         verifier_env=_str_map(verifier, "verifier", toml_path),
         solution_env=_str_map(_table(data, "solution", toml_path), "solution", toml_path),
-        files=files, container_reasons=tuple(dict.fromkeys(reasons)))
+        files=files, container_reasons=tuple(dict.fromkeys(reasons)),
+        workdir_override=_workdir_override(env_section, toml_path),
+        environment_env=_str_map(env_section, "environment", toml_path))
+
+
+def _workdir_override(env_section: dict[str, Any], where: Path) -> str | None:
+    value = env_section.get("workdir")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise TaskFormatError(f"{where}: [environment] workdir must be an absolute path such as \"/app\", "
+                              f"got {value!r}")
+    return posixpath.normpath(value)
 
 
 def load_tasks(tasks_dir: str | Path) -> list[HarborTask]:

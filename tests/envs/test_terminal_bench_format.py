@@ -19,7 +19,7 @@ from miles_agent.envs.terminal_bench import (
     load_task,
     load_tasks,
 )
-from miles_agent.envs.terminal_bench.env import BUILD_IMAGE_PREFIX, _format_output, _parse_reward
+from miles_agent.envs.terminal_bench.env import _format_output, _parse_reward
 from miles_agent.envs.terminal_bench.harbor import PYTHON_SHIM
 from miles_agent.errors import UserError
 from miles_agent.sandbox import ExecResult
@@ -49,8 +49,10 @@ def test_env_lists_local_tasks_and_reports_the_container_one():
     assert spec.image is None and spec.files == {"log.txt": b"started\nloading\nrunning\n"}
     assert spec.limits.wall_time_s == 120.0
     redis = env.harbor_task("container-redis-counter")
-    spec = env.sandbox_spec(next(t for t in TerminalBenchEnv(sandbox="docker").tasks() if t.id == redis.name))
-    assert spec.image == f"{BUILD_IMAGE_PREFIX}{redis.path / 'environment'}" and "Dockerfile" not in spec.files
+    docker_env = TerminalBenchEnv(sandbox="docker")
+    spec = docker_env.sandbox_spec(next(t for t in docker_env.tasks() if t.id == redis.name))
+    assert spec.image is None and spec.build.context == str(redis.path / "environment") and spec.files == {}
+    assert (spec.workdir, spec.cpus, spec.network) == (None, 1.0, False)  # the built image's WORKDIR decides
     assert spec.limits.memory_bytes == 1024 << 20
 
 
@@ -147,8 +149,9 @@ def test_dockerfile_with_only_files_runs_locally_with_workdir_mapped(tmp_path):
 @pytest.mark.parametrize("kind, body, want", [
     ("txt", "1\n", (1.0, {})), ("txt", " 0.5 ", (0.5, {})), ("txt", "", None), ("txt", "yes", None),
     ("txt", "nan", None), ("json", '{"reward": 1, "style": 0.5}', (1.0, {"style": 0.5})),
-    ("json", '{"acc": 0.25}', (0.25, {})), ("json", '{"a": 1, "b": 0}', None), ("json", "[1]", None),
-    ("json", "{", None),
+    ("json", '{"acc": 0.25}', (0.25, {})), ("json", '{"a": 1, "b": 0}', (0.5, {"a": 1.0, "b": 0.0, "reward_dimensions": 2.0})),
+    ("json", "[1]", None), ("json", "{", None), ("json", '{"reward": 1, "note": "ok"}', None),
+    ("json", '{"reward": true}', None), ("json", "{}", None),
 ])
 def test_parse_reward(kind, body, want):
     assert _parse_reward(kind, body) == want

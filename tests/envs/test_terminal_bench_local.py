@@ -120,7 +120,7 @@ def test_reward_json_is_read(tmp_path):
     sh = "#!/bin/bash\necho '{\"reward\": 0.75, \"lint\": 1}' > /logs/verifier/reward.json\n"
     env = TerminalBenchEnv(write_task(tmp_path, "t", sh))
     reward, _ = asyncio.run(episode(env, env.tasks()[0]))
-    assert reward == Reward(0.75, {"tests_passed": 0.75, "lint": 1.0})
+    assert reward == Reward(0.75, {"tests_passed": 0.75, "lint": 1.0, "verifier_exit_code": 0.0})
 
 
 def test_sandbox_errors_propagate_and_are_never_scored(tmp_path):

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 
 class Container:
@@ -63,6 +63,7 @@ class FakeDockerEngine:
         self.containers: dict[str, Container] = {}
         self.execs: dict[str, dict] = {}
         self.images = {"python:3.12-slim"}
+        self.image_workdirs: dict[str, str] = {}  # image -> the WORKDIR its config names
         self.faults: dict[str, list[tuple[int, dict]]] = {}  # route name -> responses to give first
         self.delays: dict[str, float] = {}  # route name -> seconds to sleep before handling
         self.calls: list[str] = []
@@ -109,6 +110,7 @@ ROUTES = [
     ("GET", r"/_ping", "ping"),
     ("GET", r"/version", "version"),
     ("POST", r"/images/create", "pull"),
+    ("GET", r"/images/(?P<name>.+)/json", "image_inspect"),
     ("POST", r"/containers/create", "create"),
     ("GET", r"/containers/json", "list"),
     ("GET", r"/containers/(?P<id>[^/]+)/json", "inspect"),
@@ -207,6 +209,13 @@ def _handler(engine: FakeDockerEngine) -> type[BaseHTTPRequestHandler]:
                 data = json.dumps(x).encode() + b"\r\n"
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
             self.wfile.write(b"0\r\n\r\n")
+
+        def do_image_inspect(self, name: str) -> None:
+            image = unquote(name) if ":" in unquote(name) else unquote(name) + ":latest"
+            if image not in engine.images:
+                return self._json(404, {"message": f"No such image: {image}"})
+            self._json(200, {"Id": "sha256:" + uuid.uuid5(uuid.NAMESPACE_URL, image).hex, "RepoTags": [image],
+                             "Config": {"WorkingDir": engine.image_workdirs.get(image, ""), "Env": []}})
 
         def do_create(self) -> None:
             body = json.loads(self.body)

@@ -147,7 +147,8 @@ def test_missing_image_is_pulled(engine):
             assert (await sb.exec("echo up")).stdout == "up\n"
 
     run(episode())
-    assert engine.calls[:4] == ["version", "create", "pull", "create"] and "alpine:3.20" in engine.images
+    assert engine.calls[:5] == ["version", "image_inspect", "pull", "image_inspect", "create"]
+    assert "alpine:3.20" in engine.images
 
 
 def test_failure_half_way_through_start_removes_the_container(engine):

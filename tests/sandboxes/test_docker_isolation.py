@@ -117,7 +117,8 @@ def test_every_container_is_created_isolated(engine):
     assert sorted(host["CapAdd"]) == sorted(TASK_CAPABILITIES)
     assert (host["Memory"], host["MemorySwap"], host["PidsLimit"]) == (512 << 20, 512 << 20, 64)
     assert host["Ulimits"] == [{"Name": "nofile", "Soft": 512, "Hard": 512},
-                               {"Name": "fsize", "Soft": 256 << 20, "Hard": 256 << 20}]
+                               {"Name": "fsize", "Soft": 256 << 20, "Hard": 256 << 20},
+                               {"Name": "nproc", "Soft": 16384, "Hard": 16384}]
     assert host["Tmpfs"] == {"/tmp": f"rw,nosuid,nodev,mode=1777,size={64 << 20}"}
 
 

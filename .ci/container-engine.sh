@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# A real container engine for the docker backend's tests: podman (runc runtime) behind a Docker-API socket of
+# its own, and offline base images made from Debian packages (no registry is needed or reached).
+#
+#   source .ci/container-engine.sh up  # exports MILES_AGENT_DOCKER_TEST_URL / _IMAGE, MILES_AGENT_TEST_DOCKER, DOCKER_HOST
+#   .ci/container-engine.sh stop       # ends the service this script started
+#
+# Why runc: podman's default crun fails on a cgroup-v1 hybrid layout. Why explicit ulimits: without
+# CAP_SYS_RESOURCE podman cannot raise nofile/nproc past the host's hard limit, so its defaults must fit
+# under it. Images: mmdebstrap --variant=minbase, then `podman import`; built once, the tarballs cached under
+# ~/.cache/miles-agent/images (first run: about 70 s per Debian release, later runs: seconds).
+set -euo pipefail
+
+STATE="${MILES_AGENT_ENGINE_DIR:-$HOME/.cache/miles-agent/engine}"
+IMAGES="${MILES_AGENT_IMAGE_CACHE:-$HOME/.cache/miles-agent/images}"
+SOCK="$STATE/podman.sock"
+CONF="$STATE/containers.conf"
+mkdir -p "$STATE" "$IMAGES"
+
+engine_stop() {
+  if [ -f "$STATE/service.pid" ]; then
+    kill "$(cat "$STATE/service.pid")" 2>/dev/null || true
+    rm -f "$STATE/service.pid" "$SOCK"
+  fi
+}
+
+engine_install() {
+  local missing=""
+  for tool in podman runc mmdebstrap; do command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"; done
+  command -v newuidmap >/dev/null 2>&1 || missing="$missing uidmap"
+  if [ -n "$missing" ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+  fi
+}
+
+engine_conf() {
+  # Under this shell's hard limits (podman's own defaults are far above them), and under 32768 processes,
+  # podman's own cap for the processes it starts.
+  local nofile nproc
+  nofile=$(ulimit -Hn); nproc=$(ulimit -Hu)
+  { [ "$nofile" = unlimited ] || [ "$nofile" -gt 65536 ]; } && nofile=65536
+  { [ "$nproc" = unlimited ] || [ "$nproc" -gt 32768 ]; } && nproc=32768
+  cat > "$CONF" <<CONF
+[containers]
+default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
+[engine]
+runtime = "runc"
+events_logger = "file"
+cgroup_manager = "cgroupfs"
+CONF
+}
+
+engine_start() {
+  export CONTAINERS_CONF="$CONF"
+  if [ -S "$SOCK" ] && [ -f "$STATE/service.pid" ] && kill -0 "$(cat "$STATE/service.pid")" 2>/dev/null; then
+    return 0
+  fi
+  rm -f "$SOCK"
+  # A unix socket of our own (never TCP): only this machine's users with access to $STATE reach it.
+  setsid podman --runtime runc system service --time=0 "unix://$SOCK" > "$STATE/service.log" 2>&1 < /dev/null &
+  echo $! > "$STATE/service.pid"
+  for _ in $(seq 1 100); do [ -S "$SOCK" ] && return 0; sleep 0.1; done
+  echo "container-engine: podman service did not create $SOCK; see $STATE/service.log" >&2
+  return 1
+}
+
+# make_image SUITE TARBALL-NAME PACKAGES TAG...: one Debian root filesystem, imported once, tagged as named.
+make_image() {
+  local suite=$1 name=$2 packages=$3; shift 3
+  local first=$1
+  if ! podman image exists "$first"; then
+    if [ ! -s "$IMAGES/$name.tar" ]; then
+      echo "container-engine: building $name from Debian $suite (about 70 s, once)" >&2
+      mmdebstrap --quiet --variant=minbase --include="$packages" "$suite" "$IMAGES/$name.part.tar"
+      mv "$IMAGES/$name.part.tar" "$IMAGES/$name.tar"
+    fi
+    podman import --quiet \
+      --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+      --change 'ENV PIP_BREAK_SYSTEM_PACKAGES=1' --change 'CMD ["bash"]' "$IMAGES/$name.tar" "$first" >/dev/null
+  fi
+  for tag in "$@"; do
+    podman image exists "$tag" || podman tag "$first" "$tag"
+  done
+}
+
+engine_images() {
+  export CONTAINERS_CONF="$CONF"
+  local pkgs="python3,python3-venv,python3-pip,python-is-python3,bash,coreutils,procps,ca-certificates,tar,gzip,curl"
+  # Debian 13 (trixie) ships Python 3.13: the names tasks use for a 3.13 slim image and Terminal-Bench's
+  # python-3-13 base. Debian 12 (bookworm) ships 3.11. No Debian release ships 3.12, and Ubuntu is not
+  # made here: tasks on python:3.12-* or ubuntu:* need those images loaded (`podman load`) by hand.
+  # Tagged with the fully qualified names Docker resolves short names to (FROM python:3.13-slim is
+  # docker.io/library/python:3.13-slim), so builds find them locally and never try a registry.
+  # python:3.13-slim-bookworm gets the trixie image: the Python tasks ask for, on a newer Debian.
+  local lib=docker.io/library
+  make_image trixie miles-debian-trixie "$pkgs" localhost/miles-agent/trixie-python3.13:latest \
+    $lib/python:3.13-slim $lib/python:3.13-slim-trixie $lib/python:3.13-slim-bookworm $lib/python:3.13 \
+    $lib/debian:trixie $lib/debian:trixie-slim \
+    ghcr.io/laude-institute/t-bench/python-3-13:20250620 ghcr.io/laude-institute/t-bench/python-3-13:latest
+  make_image bookworm miles-debian-bookworm "$pkgs" localhost/miles-agent/bookworm-python3.11:latest \
+    $lib/python:3.11-slim $lib/python:3.11-slim-bookworm $lib/python:3.11 $lib/debian:bookworm \
+    $lib/debian:bookworm-slim
+}
+
+# python:3.12-slim is Debian bookworm with CPython 3.12 compiled on it; no Debian release packages 3.12, but a
+# pyenv build of it on this Debian 12 machine is exactly that. Copied in at its own prefix (its rpath), put
+# first on PATH; skipped (tasks on python:3.12-* then say to load the image) when no such build is here.
+engine_python312() {
+  export CONTAINERS_CONF="$CONF"
+  local lib=docker.io/library prefix
+  podman image exists $lib/python:3.12-slim && return 0
+  prefix=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.* 2>/dev/null | tail -1)
+  if [ -z "$prefix" ] || [ ! -x "$prefix/bin/python3.12" ]; then
+    echo "container-engine: no CPython 3.12 build here; python:3.12-slim not made" >&2
+    return 0
+  fi
+  local stage cid
+  stage=$(mktemp -d)
+  mkdir -p "$stage$(dirname "$prefix")"
+  cp -a "$prefix" "$stage$prefix"
+  # Only CPython and pip: nothing this machine added to its site-packages.
+  find "$stage$prefix/lib/python3.12/site-packages" -maxdepth 1 -name '*.pth' -delete
+  rm -rf "$stage$prefix/lib/python3.12/test"
+  cid=$(podman create localhost/miles-agent/bookworm-python3.11:latest true)
+  podman cp "$stage/." "$cid:/"
+  podman commit --quiet \
+    --change "ENV PATH=$prefix/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+    --change 'ENV PIP_BREAK_SYSTEM_PACKAGES=1' --change 'CMD ["bash"]' \
+    "$cid" localhost/miles-agent/bookworm-python3.12:latest >/dev/null
+  podman rm "$cid" >/dev/null
+  rm -rf "$stage"
+  for tag in $lib/python:3.12-slim $lib/python:3.12-slim-bookworm $lib/python:3.12; do
+    podman tag localhost/miles-agent/bookworm-python3.12:latest "$tag"
+  done
+}
+
+# For tasks that name no image (they need only host tools): the trixie image plus the tools such tasks
+# use that a slim image lacks (git, jq, ...). Pass it as the docker sandbox's `image` option.
+engine_tools_image() {
+  export CONTAINERS_CONF="$CONF"
+  local tag=localhost/miles-agent/task-tools:latest ctx
+  podman image exists $tag && return 0
+  ctx=$(mktemp -d)
+  printf '%s\n' 'FROM localhost/miles-agent/trixie-python3.13:latest' \
+    'RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends git jq less file unzip zip xz-utils bc sqlite3 >/dev/null && rm -rf /var/lib/apt/lists/*' \
+    > "$ctx/Dockerfile"
+  podman build --quiet --tag $tag "$ctx" >/dev/null
+  rm -rf "$ctx"
+}
+
+case "${1:-up}" in
+  stop) engine_stop ;;
+  up|"")
+    engine_install
+    engine_conf
+    engine_start
+    engine_images
+    engine_python312
+    engine_tools_image
+    export MILES_AGENT_DOCKER_TEST_URL="unix://$SOCK"
+    export MILES_AGENT_DOCKER_TEST_IMAGE="localhost/miles-agent/trixie-python3.13:latest"
+    # The shared remote-backend contract suite too (tests/sandboxes/test_remote_contract.py).
+    export MILES_AGENT_TEST_DOCKER=1 DOCKER_HOST="unix://$SOCK"
+    echo "container-engine: podman at $MILES_AGENT_DOCKER_TEST_URL, test image $MILES_AGENT_DOCKER_TEST_IMAGE" >&2
+    ;;
+  *) echo "usage: $0 [up|stop]" >&2; exit 2 ;;
+esac
