@@ -57,16 +57,19 @@ class ExternalHarness(BlackBoxHarness):
 
     def _per_player(self, trajs: list[Trajectory], result: dict[str, Any]) -> list[Trajectory]:
         """A multi-player episode (a verifiers env with two seats) reports one trace per player: each proxy
-        trajectory whose prompt holds exactly one player's opening message takes that player's reward and
-        parts, and names the player in its metadata. An unmatched trajectory keeps the episode's reward."""
-        players = [p for p in result.get("traces") or () if p.get("first")]
+        trajectory whose prompt holds exactly one player's opening message (else whose text holds exactly
+        one player's last reply) takes that player's reward and parts, and names the player in its
+        metadata. An unmatched trajectory keeps the episode's reward."""
+        players = list(result.get("traces") or ())
         if len(players) < 2:
             return trajs
         for t in trajs:
             if t.status not in (Status.COMPLETED, Status.TRUNCATED):
                 continue
-            text = self.tokenizer.decode(list(t.prompt_ids))
-            match = [p for p in players if p["first"] in text]
+            prompt, sampled = self.tokenizer.decode(list(t.prompt_ids)), self.tokenizer.decode(list(t.tokens))
+            match = [p for p in players if p.get("first") and p["first"] in prompt]
+            if len(match) != 1:  # players with the same opening (attempts at one task): by the last reply
+                match = [p for p in (match or players) if p.get("reply") and p["reply"].strip() in sampled]
             if len(match) == 1:
                 t.reward = float(match[0]["reward"])
                 t.reward_parts = {k: float(v) for k, v in match[0].get("parts", {}).items()}

@@ -93,11 +93,16 @@ def _classes(config: dict):
 
 
 def _text_field(model_cls, given: str, kind: str, one: bool) -> str:
+    """The field the text goes in (action) or comes from (observation). An action whose one field is not
+    text (a str enum, an int move) takes the reply too: pydantic validates it as OpenEnv's server would."""
     if given:
         return given
     skip = {"metadata", "done", "reward", "type"}
-    fields = [n for n, f in getattr(model_cls, "model_fields", {}).items()
-              if n not in skip and f.annotation in (str, str | None)]
+    own = {n: f for n, f in getattr(model_cls, "model_fields", {}).items() if n not in skip}
+    fields = [n for n, f in own.items() if f.annotation in (str, str | None)
+              or (isinstance(f.annotation, type) and issubclass(f.annotation, str))]
+    if one and not fields:
+        fields = [n for n, f in own.items() if f.is_required()]
     if fields and (len(fields) == 1 or not one):
         return fields[0]
     raise ValueError(f"{model_cls.__name__} has {'no' if not fields else 'several'} text fields {fields}; "

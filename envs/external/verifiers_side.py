@@ -89,7 +89,8 @@ def _trace(trace) -> dict:
     first = next((m for m in trace.messages), None)
     content = first.get("content") if isinstance(first, dict) else getattr(first, "content", "")
     return {"name": trace.agent.name, "reward": float(trace.reward), "parts": {**metrics, **rewards},
-            "first": content if isinstance(content, str) else "", "errors": [str(e) for e in trace.errors]}
+            "first": content if isinstance(content, str) else "", "reply": trace.last_reply or "",
+            "errors": [str(e) for e in trace.errors]}
 
 
 async def _play(config: dict, task_id: str, base_url: str, api_key: str) -> dict:
