@@ -21,7 +21,8 @@ class VerifiersOptions:
     path: str = ""  # a folder put on sys.path first (a taskset that is not installed)
     args: dict[str, Any] = field(default_factory=dict)  # the taskset's settings (its TasksetConfig fields)
     env_args: dict[str, Any] = field(default_factory=dict)  # env-level settings (its EnvConfig fields, roles)
-    harness: str = ""  # a verifiers harness id ("" = the taskset's default; `null` = its plain chat program)
+    # a verifiers harness id; "" = the taskset's default; `null` (YAML reads it as None) = its plain chat program
+    harness: str | None = ""
     runtime: str = "subprocess"  # the agent runtime type (verifiers' default is Prime's hosted sandboxes)
     num_tasks: int = 0  # 0 = every task of a finite taskset, `INFINITE_TASKS` of an infinite one
     packages: tuple[str, ...] = ()  # extra pip specifiers installed into the adapter's venv
@@ -64,7 +65,8 @@ class HarborOptions:
 class HudOptions:
     env_file: str = ""  # a .py file or folder declaring a hud.Environment
     env_name: str = ""  # which one, when it declares several
-    taskset: str = ""  # the env's own taskset: a .py / folder / .json / .jsonl HUD loads (default: env_file)
+    taskset: str = ""  # the env's own taskset: a .py / folder / .json / .jsonl HUD loads, or file.py:function
+    #                    (default: the tasks env_file declares)
     tasks: tuple[dict[str, Any], ...] = ()  # or rows {"template": id, "args": {...}}
     runtime: str = "local"  # local (in the side-car) | subprocess (HUD's child-process server)
     max_steps: int = 4

@@ -36,8 +36,32 @@ def _task_dirs(config: dict) -> dict[str, Path]:
     return found
 
 
+#: Dockerfile instructions the local provider honours: it copies files in (the host userland is the image).
+_FILE_ONLY = {"FROM", "COPY", "ADD", "WORKDIR", "ENV", "ARG", "LABEL", "USER", "CMD", "ENTRYPOINT", "EXPOSE", "SHELL"}
+
+
+def _needs_build(task: Path) -> str:
+    """The first instruction of the task's Dockerfile that only an image build can honour, or ""."""
+    dockerfile = task / "environment" / "Dockerfile"
+    if not dockerfile.is_file():
+        return ""
+    for line in dockerfile.read_text().splitlines():
+        word = line.strip().split(" ", 1)[0].upper()
+        if word and not word.startswith("#") and word not in _FILE_ONLY:
+            return line.strip()[:60]
+    return ""
+
+
 async def tasks(config: dict) -> list[dict]:
-    return [{"id": name, "prompt": [], "info": {"path": str(path)}} for name, path in _task_dirs(config).items()]
+    found = _task_dirs(config)
+    if not (config.get("environment_type") or config.get("environment_import_path")):
+        built = {name: why for name, path in found.items() if (why := _needs_build(path))}
+        if built:
+            name, why = next(iter(built.items()))
+            raise ValueError(f"{len(built)} task(s) ({', '.join(sorted(built))}) need their image built ({name}: "
+                             f"`{why}`); the local provider runs file-only Dockerfiles on the host userland: use "
+                             "env.options.environment_type=docker (a container runtime) for them")
+    return [{"id": name, "prompt": [], "info": {"path": str(path)}} for name, path in found.items()]
 
 
 def primary_reward(rewards: dict, reward_key: str = "") -> float:

@@ -3,7 +3,8 @@
 config (``env.options``, `adapters.HudOptions`): ``env_file`` (a .py file or folder declaring a
 ``hud.Environment``), ``env_name`` (which one, when it declares several), ``taskset`` (the env's own
 taskset: a .py / folder / .json / .jsonl that ``hud.eval.Taskset.from_file`` loads; default: the tasks
-declared in ``env_file``), or ``tasks`` (rows ``{"template": id, "args": {...}}``), ``runtime``
+declared in ``env_file``; ``file.py:function`` for one built in code), or ``tasks`` (rows ``{"template": id,
+"args": {...}}``), ``runtime``
 (``local``: HUD's LocalRuntime in the side-car; ``subprocess``: HUD's child-process server),
 ``max_steps``, ``max_tokens``.
 
@@ -44,14 +45,37 @@ def _tasks(config: dict) -> list:
             name = _env_name(config)
             found = [Task(env=name, id=r["template"], args=r.get("args", {})) for r in config["tasks"]]
         else:
-            from hud.eval.taskset import Taskset
-
-            found = list(Taskset.from_file(config.get("taskset") or config["env_file"]))
+            found = _load_taskset(config.get("taskset") or config["env_file"])
             if not found:
                 raise ValueError(f"{config.get('taskset') or config['env_file']} declares no HUD tasks; give "
                                  "env.options.taskset=FILE (.py/.json/.jsonl) or env.options.tasks rows")
         _cache["tasks"] = found
     return _cache["tasks"]
+
+
+def _load_taskset(source: str) -> list:
+    """HUD's own loader (``Taskset.from_file``: module-level tasks of a .py or folder, or .json/.jsonl rows),
+    or ``file.py:function`` for a taskset an env builds in code (a function returning a Taskset, a list
+    of Tasks, or a (Taskset, runtime) pair, as HUD's cookbooks write them)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from hud.eval.taskset import Taskset
+
+    if ".py:" not in source:
+        return list(Taskset.from_file(source))
+    path, attr = source.rsplit(":", 1)
+    file = Path(path).resolve()
+    sys.path.insert(0, str(file.parent))  # its sibling imports (the env module) resolve
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    made = getattr(module, attr)
+    made = made() if callable(made) and not isinstance(made, Taskset) else made
+    if isinstance(made, tuple):  # (taskset, runtime)
+        made = made[0]
+    return list(made)
 
 
 async def tasks(config: dict) -> list[dict]:

@@ -263,9 +263,9 @@ class NemoGymEnv(Environment):
 
     async def oracle_solve(self, task: Task, sandbox: Sandbox | None = None) -> None:
         """`--policy oracle`: replay NeMo Gym's recorded example rollout of this task's row."""
-        params = task.info["row"]["responses_create_params"]
+        prompt = chat_messages(task.info["row"]["responses_create_params"])  # rollouts store the input expanded
         match = [r for r in self.example_rollouts()
-                 if r["responses_create_params"].get("input") == params.get("input") and "response" in r]
+                 if "response" in r and chat_messages(r["responses_create_params"]) == prompt]
         if not match:
             raise UserError(f"nemo-gym: no example_rollouts*.jsonl row records task {task.id}'s input; NeMo Gym "
                             "records rollouts for its example split: eval with env.options.split=example")

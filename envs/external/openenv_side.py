@@ -213,18 +213,28 @@ async def episode(config: dict, task_id: str, base_url: str, api_key: str) -> di
     return {"reward": total, "parts": {"steps": steps, "done": float(done)}, "info": {"mode": config.get("mode")}}
 
 
+def _shown(obs: dict, field: str) -> str:
+    """What the model sees of an observation: its text field, else its fields as JSON (a board, a grid)."""
+    if field:
+        return str(obs.get(field, ""))
+    return json.dumps({k: v for k, v in obs.items() if k not in ("done", "reward", "metadata")}, default=str)
+
+
 async def _play_text(config, env, llm, extra, row, action_cls, obs_cls):
-    text_in = _text_field(obs_cls, config.get("observation_field", ""), "observation", one=False)
+    try:
+        text_in = _text_field(obs_cls, config.get("observation_field", ""), "observation", one=False)
+    except ValueError:
+        text_in = ""  # no text field: the observation is shown as JSON
     text_out = _text_field(action_cls, config.get("action_field", ""), "action", one=True)
     total, steps = 0.0, 0
     obs, _, done = await env.reset(row)
-    messages = [{"role": "user", "content": str(obs.get(text_in, ""))}]
+    messages = [{"role": "user", "content": _shown(obs, text_in)}]
     while not done and steps < int(config.get("max_steps", 4)):
         reply = await llm.chat.completions.create(model="policy", messages=messages, **extra)
         text = reply.choices[0].message.content or ""  # sent back as generated: one history at the proxy
-        obs, reward, done = await env.step({text_out: text})
+        obs, reward, done = await env.step({text_out: text.strip() if text_out != "message" else text})
         total, steps = total + float(reward), steps + 1
-        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": str(obs.get(text_in, ""))}]
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": _shown(obs, text_in)}]
     return total, steps, done
 
 

@@ -32,8 +32,9 @@ def _raw_config(config: dict, role_fields: list[str]) -> dict:
     for role in role_fields:  # every seat gets the runtime (and the harness, when one is named)
         seat = dict(raw.get(role) or {})
         seat.setdefault("runtime", {"type": config.get("runtime") or "subprocess"})
-        if config.get("harness"):
-            seat.setdefault("harness", {"id": config["harness"]})
+        harness = "null" if "harness" in config and config["harness"] is None else config.get("harness")
+        if harness:  # None: `env.options.harness=null`, which YAML reads as None, is verifiers' null harness
+            seat.setdefault("harness", {"id": harness})
         raw[role] = seat
     return raw
 
