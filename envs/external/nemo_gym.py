@@ -78,7 +78,11 @@ def chat_messages(params: dict[str, Any]) -> list[dict[str, Any]]:
             raise UserError(f"NeMo Gym input item of type {item.get('type')!r} is not supported; only messages")
         content = item.get("content", "")
         if isinstance(content, list):  # [{"type": "input_text", "text": ...}, ...]
-            content = "".join(p.get("text", "") for p in content if p.get("type") in ("input_text", "output_text"))
+            other = sorted({p.get("type") for p in content} - {"input_text", "output_text"})
+            if other:  # an image the model would never see: refused, not silently dropped
+                raise UserError(f"NeMo Gym input parts of type {other} are not supported (the chat is text "
+                                "only); use a text dataset")
+            content = "".join(p.get("text", "") for p in content)
         role = "system" if item.get("role") == "developer" else item.get("role", "user")
         out.append({"role": role, "content": content})
     return out
