@@ -48,7 +48,7 @@ def _needs_build(task: Path) -> str:
     for line in dockerfile.read_text().splitlines():
         word = line.strip().split(" ", 1)[0].upper()
         if word and not word.startswith("#") and word not in _FILE_ONLY:
-            return line.strip()[:60]
+            return line.strip().rstrip("\\ ")[:60]
     return ""
 
 

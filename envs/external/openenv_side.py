@@ -2,7 +2,7 @@
 
 config (``env.options``, `adapters.OpenEnvOptions`): ``env`` (``package.module:EnvClass`` or
 ``path/to/file.py:EnvClass``), ``action`` / ``observation`` (same forms; default: the types the env's
-``step`` and ``reset`` are annotated with), ``path`` (put on sys.path), ``action_field`` /
+``step`` and ``reset`` are annotated with, else the one Action / Observation its module imports), ``path`` (put on sys.path), ``action_field`` /
 ``observation_field`` (the text fields; default: the action's one str field, the observation's first),
 ``reset`` (one row of reset keywords per task; else ``num_tasks`` tasks with ``seed=i``), ``mode``
 (``inprocess``: the Environment object; ``server``: OpenEnv's own FastAPI app on 127.0.0.1, driven
@@ -61,6 +61,13 @@ def _hint(fn, name: str):
     return tp if isinstance(tp, type) else None
 
 
+def _only(module, base):
+    """The one subclass of ``base`` the env's module defines or imports (its models), else None."""
+    found = {v for v in vars(module).values() if isinstance(v, type) and issubclass(v, base) and v is not base
+             and v.__module__.split(".")[0] != "openenv"}
+    return found.pop() if len(found) == 1 else None
+
+
 def _classes(config: dict):
     if "classes" in _state:
         return _state["classes"]
@@ -78,8 +85,10 @@ def _classes(config: dict):
             return _import(given, f"env.options.{option}") if ":" in given else getattr(module, given)
         return fallback
 
-    action_cls = named("action", "action_class", _hint(env_cls.step, "action"))
-    obs_cls = named("observation", "observation_class", _hint(env_cls.reset, "return"))
+    from openenv.core.env_server import Action, Observation
+
+    action_cls = named("action", "action_class", _hint(env_cls.step, "action") or _only(module, Action))
+    obs_cls = named("observation", "observation_class", _hint(env_cls.reset, "return") or _only(module, Observation))
     from openenv.core.env_server.mcp_environment import MCPEnvironment
 
     mcp = issubclass(env_cls, MCPEnvironment)
