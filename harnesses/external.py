@@ -63,14 +63,19 @@ class ExternalHarness(BlackBoxHarness):
         players = list(result.get("traces") or ())
         if len(players) < 2:
             return trajs
+        taken: set[int] = set()
         for t in trajs:
             if t.status not in (Status.COMPLETED, Status.TRUNCATED):
                 continue
             prompt, sampled = self.tokenizer.decode(list(t.prompt_ids)), self.tokenizer.decode(list(t.tokens))
-            match = [p for p in players if p.get("first") and p["first"] in prompt]
+            free = [p for i, p in enumerate(players) if i not in taken]
+            match = [p for p in free if p.get("first") and p["first"] in prompt]
             if len(match) != 1:  # players with the same opening (attempts at one task): by the last reply
-                match = [p for p in (match or players) if p.get("reply") and p["reply"].strip() in sampled]
+                match = [p for p in (match or free) if p.get("reply") and p["reply"].strip() in sampled]
+            if len(match) > 1 and all(p.get("reply") == match[0].get("reply") for p in match):
+                match = match[:1]  # identical attempts: any one of them is this trajectory's
             if len(match) == 1:
+                taken.add(next(i for i, p in enumerate(players) if p is match[0]))
                 t.reward = float(match[0]["reward"])
                 t.reward_parts = {k: float(v) for k, v in match[0].get("parts", {}).items()}
                 t.metadata["player"] = match[0]["name"]

@@ -58,7 +58,8 @@ class HarborOptions:
     trials_dir: str = ""  # keep Harbor's trial records there
     max_turns: int = 3  # the proxy shell agent's turns
     max_tokens: int = 0  # the proxy shell agent's max_tokens per turn (0 = not sent: the proxy's limit)
-    skills_dir: str = ""  # a folder of agent skills, given to Harbor agents that take them
+    skills: tuple[str, ...] = ()  # Harbor agent skills (folders or sources Harbor resolves), for agents that take them
+    reward_key: str = ""  # the reward.json key that is the scalar when it has several and no `reward`
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ import sys
 import threading
 import traceback
 
+_DRAIN_S = 10.0  # seconds running requests get to finish after stdin closes
+
 
 def _protocol_stream():
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -75,8 +77,10 @@ async def _serve(adapter, config: dict, proto) -> None:
             job = asyncio.ensure_future(handle(json.loads(line)))
             running.add(job)
             job.add_done_callback(running.discard)
-    if running:
-        await asyncio.gather(*running, return_exceptions=True)
+    if running:  # stdin closed (the trainer is gone): let episodes finish briefly, then leave regardless
+        _, stuck = await asyncio.wait(running, timeout=_DRAIN_S)
+        if stuck:
+            os._exit(0)  # a package that never returns must not outlive the trainer
 
 
 def main() -> None:

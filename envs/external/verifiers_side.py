@@ -110,6 +110,10 @@ async def _play(config: dict, task_id: str, base_url: str, api_key: str) -> dict
     if ep.errors or not ep.traces:
         raise RuntimeError(f"verifiers episode failed: {[str(e) for e in ep.errors] or 'no trace'}")
     traces = [_trace(t) for t in ep.traces]
+    names = [t["name"] for t in traces]
+    for i, t in enumerate(traces):  # several runs of one seat (attempts): named apart
+        if names.count(t["name"]) > 1:
+            t["name"] = f"{t['name']}#{names[:i].count(t['name'])}"
     if all(t["errors"] and not t["parts"] for t in traces):
         raise RuntimeError(f"verifiers trace failed: {traces[0]['errors']}")
     # One trace: its reward and parts. Several (players): the first seat's reward is the episode's, each
