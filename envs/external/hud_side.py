@@ -79,7 +79,7 @@ def _load_taskset(source: str) -> list:
 
 
 async def tasks(config: dict) -> list[dict]:
-    return [{"id": str(i), "prompt": [], "info": {"template": t.id, "args": t.args, "slug": t.slug or ""}}
+    return [{"id": str(i), "prompt": [], "info": {"template": t.id, "args": t.args}}
             for i, t in enumerate(_tasks(config))]
 
 
