@@ -235,13 +235,15 @@ async def _play_text(config, env, llm, extra, row, action_cls, obs_cls):
     except ValueError:
         text_in = ""  # no text field: the observation is shown as JSON
     text_out = _text_field(action_cls, config.get("action_field", ""), "action", one=True)
+    field = getattr(action_cls, "model_fields", {}).get(text_out)
+    as_text = field is None or field.annotation in (str, str | None)  # a str gets the reply verbatim; a move, stripped
     total, steps = 0.0, 0
     obs, _, done = await env.reset(row)
     messages = [{"role": "user", "content": _shown(obs, text_in)}]
     while not done and steps < int(config.get("max_steps", 4)):
         reply = await llm.chat.completions.create(model="policy", messages=messages, **extra)
         text = reply.choices[0].message.content or ""  # sent back as generated: one history at the proxy
-        obs, reward, done = await env.step({text_out: text.strip() if text_out != "message" else text})
+        obs, reward, done = await env.step({text_out: text if as_text else text.strip()})
         total, steps = total + float(reward), steps + 1
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": _shown(obs, text_in)}]
     return total, steps, done
