@@ -45,6 +45,8 @@ def _environment(config: dict):
             raise ValueError("no taskset named: set env.options.id=<taskset id>")
         if config.get("path"):
             sys.path.insert(0, config["path"])
+            # and for the processes verifiers starts (a taskset's tool servers run `python -m <taskset>...`)
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [config["path"], os.environ.get("PYTHONPATH")]))
         from verifiers.v1.configs.agent import AgentConfig
         from verifiers.v1.utils.loaders import env_config_type, load_environment, resolve_env_config
 
