@@ -17,7 +17,7 @@ from miles_agent.environment import EnvSession, Harness, HarnessLimits, Task
 from miles_agent.errors import UserError
 from miles_agent.harnesses.blackbox import AgentOutcome, BlackBoxHarness, EnvTools
 from miles_agent.harnesses.proxy import ProxyLimits, ProxyServer
-from miles_agent.types import Trajectory
+from miles_agent.types import Status, Trajectory
 
 
 class ExternalHarness(BlackBoxHarness):
@@ -52,4 +52,31 @@ class ExternalHarness(BlackBoxHarness):
             except Exception as e:  # noqa: BLE001 - the package's failure is the episode's outcome
                 outcome = AgentOutcome(error=f"{type(e).__name__}: {e}"[-4096:])
             server.close_session(proxy)
-        return await self._finish(task, session, proxy, tools, outcome)
+        trajs = await self._finish(task, session, proxy, tools, outcome)
+        return self._per_player(trajs, getattr(session, "result", None) or {})
+
+    def _per_player(self, trajs: list[Trajectory], result: dict[str, Any]) -> list[Trajectory]:
+        """A multi-player episode (a verifiers env with two seats) reports one trace per player: each proxy
+        trajectory whose prompt holds exactly one player's opening message (else whose text holds exactly
+        one player's last reply) takes that player's reward and parts, and names the player in its
+        metadata. An unmatched trajectory keeps the episode's reward."""
+        players = list(result.get("traces") or ())
+        if len(players) < 2:
+            return trajs
+        taken: set[int] = set()
+        for t in trajs:
+            if t.status not in (Status.COMPLETED, Status.TRUNCATED):
+                continue
+            prompt, sampled = self.tokenizer.decode(list(t.prompt_ids)), self.tokenizer.decode(list(t.tokens))
+            free = [p for i, p in enumerate(players) if i not in taken]
+            match = [p for p in free if p.get("first") and p["first"] in prompt]
+            if len(match) != 1:  # players with the same opening (attempts at one task): by the last reply
+                match = [p for p in (match or free) if p.get("reply") and p["reply"].strip() in sampled]
+            if len(match) > 1 and all(p.get("reply") == match[0].get("reply") for p in match):
+                match = match[:1]  # identical attempts: any one of them is this trajectory's
+            if len(match) == 1:
+                taken.add(next(i for i, p in enumerate(players) if p is match[0]))
+                t.reward = float(match[0]["reward"])
+                t.reward_parts = {k: float(v) for k, v in match[0].get("parts", {}).items()}
+                t.metadata["player"] = match[0]["name"]
+        return trajs

@@ -5,8 +5,8 @@ RL (loop.py), SFT, distillation, warm start, eval and replay all start here rath
 another, and reach plug-ins only through the registry. `check_choices` runs first: every key that
 picks something (a plug-in name, an algorithm, a mode) is checked before any model loads or actor
 starts, so a typo costs a second, not a model load. So are the plug-ins' own options: each declares what
-it takes (a sandbox its ``options_type``, an environment or harness its ``env_keys``); nothing is read
-off a constructor's signature.
+it takes (a sandbox or an environment its ``options_type``, an environment or harness its ``env_keys``);
+nothing is read off a constructor's signature.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def check_choices(cfg: Config) -> None:
     offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
     env = registry.load("envs", cfg.env.name, key="env.name")
     env_keys(f"environment {cfg.env.name!r}", env)
+    env_options(cfg.env.name, env, cfg.env.options)
     harness = harness_name(cfg, env)
     env_keys(f"harness {harness!r}", registry.load("harnesses", harness, key="env.harness"))
     if getattr(env, "needs_sandbox", True):  # as env_sandboxes; a module:attr factory's env may need one
@@ -64,6 +65,7 @@ def build_env(cfg: Config) -> Environment:
         if not Path(cfg.env.tasks).is_dir():
             raise UserError(f"--tasks {cfg.env.tasks} is not a folder; point it at a folder of task directories")
         kwargs["tasks_dir"] = cfg.env.tasks
+    kwargs.update(env_options(cfg.env.name, cls, cfg.env.options))
     try:
         return cls(**kwargs)
     except TypeError as e:
@@ -109,6 +111,17 @@ def plugin_options(options_type: type, given: Mapping[str, Any], *, key: str, pl
             raise UserError(f"{key}: {name} not accepted by the {plugin}; valid options: {', '.join(valid)}"
                             f"{f'; did you mean {close!r}?' if close else ''} (see {docs})")
     return typed(options_type, dict(given), key)
+
+
+def env_options(name: str, cls: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``env.options`` as the constructor keywords of environment ``cls``, typed by its ``options_type``
+    (only the keys given: the environment keeps its own defaults for the rest)."""
+    options_type = getattr(cls, "options_type", None)
+    if not options or options_type is None:
+        return dict(options or {})
+    opts = plugin_options(options_type, options, key="env.options", plugin=f"{name!r} environment",
+                          docs=getattr(cls, "options_docs", "the environment's docs"))
+    return {k: getattr(opts, k) for k in options}
 
 
 def sandbox_factory(name: str, options: Mapping[str, Any] | None = None) -> Callable[[], Any]:

@@ -132,6 +132,7 @@ class EnvConfig:
     tasks: str | None = None  # a folder of tasks, for environments that read one
     sandbox: str = "local"  # sandbox backend for environments that need one
     sandbox_options: dict[str, Any] = field(default_factory=dict)  # the backend's options (docs/sandboxes.md)
+    options: dict[str, Any] = field(default_factory=dict)  # the environment's own options (its options_type)
     max_turns: int = 4
     max_total_tokens: int = 1024
     max_new_tokens_per_turn: int = 96
@@ -280,7 +281,13 @@ def load_config(recipe: str | None = None, overrides: list[str] | dict[str, Any]
         data.setdefault(section, {})
         if not isinstance(data[section], dict):
             raise UserError(f"recipe section {section!r} must be a mapping")
-        data[section][name] = value
+        *parents, leaf = name.split(".")  # env.options.args.k=v: into the nested mapping env.options.args
+        where = data[section]
+        for i, part in enumerate(parents):
+            where = where.setdefault(part, {})
+            if not isinstance(where, dict):
+                raise UserError(f"override {key!r}: {section}.{'.'.join(parents[:i + 1])} is not a mapping")
+        where[leaf] = value
     sections = section_types()
     given = {k: typed(sections[k], data.pop(k), k) for k in list(data) if k in sections}
     return dataclasses.replace(typed(Config, data, "", extra=list(sections)), sections=given)

@@ -63,6 +63,9 @@ class Environment(ABC):
     #: ``env.*`` config keys the constructor takes as keywords of the same name (terminal-bench: "sandbox");
     #: declared rather than read off the signature, and checked by the build step before any model loads.
     env_keys: ClassVar[tuple[str, ...]] = ()
+    #: The type of ``env.options`` (a dataclass whose fields are constructor keywords), checked before any
+    #: model loads; None: the options reach the constructor unchecked.
+    options_type: ClassVar[type | None] = None
 
     @abstractmethod
     def tasks(self, split: str = "train") -> list[Task]: ...

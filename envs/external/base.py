@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from miles_agent.environment import Environment, EnvSession, Reward, Task
-from miles_agent.envs.external.process import SideCar, list_tasks
+from miles_agent.envs.external.process import SideCar, SideCarError, list_tasks
 from miles_agent.envs.external.venv import PackageVenv
+from miles_agent.errors import UserError
 from miles_agent.sandbox import Sandbox
 
 ADAPTERS = Path(__file__).parent
@@ -35,6 +36,8 @@ class ExternalSession(EnvSession):
         return self.result
 
     async def score(self, messages: list[dict[str, Any]]) -> Reward:
+        if self.result is None:  # an oracle run (`--policy oracle`) played this task without a session
+            self.result = self.env.oracle_results.pop(self.task.id, None)
         if self.result is None:  # the package never finished the episode: nothing it verified
             return Reward(0.0)
         parts = {k: float(v) for k, v in (self.result.get("parts") or {}).items()
@@ -49,10 +52,14 @@ class ExternalEnvironment(Environment):
     python: ClassVar[str | None] = None  # "3.12" when the package needs another Python
     adapter_script: ClassVar[str] = ""  # file in envs/external/ run by the side-car
     default_harness: ClassVar[str] = "external"
+    options_docs: ClassVar[str] = "docs/ecosystem.md"
 
     def __init__(self, **config: Any) -> None:
+        self.given = config  # env.options (and --tasks): what the user chose, over side_config's defaults
         self.config = {**self.side_config(), **config}
-        self.venv = PackageVenv(self.name, self.requirements, self.python)
+        packages = tuple(self.config.pop("packages", ()) or ())  # the user's env package, in the same venv
+        self.venv = PackageVenv(self.name, (*self.requirements, *packages), self.python)
+        self.oracle_results: dict[str, dict[str, Any]] = {}
         self._sidecar: SideCar | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
@@ -75,6 +82,15 @@ class ExternalEnvironment(Environment):
 
     async def open(self, task: Task, sandbox: Sandbox | None = None) -> ExternalSession:
         return ExternalSession(self, task)
+
+    async def oracle_solve(self, task: Task, sandbox: Sandbox | None = None) -> None:
+        """`--policy oracle`: the ecosystem's own reference solution plays the task in the side-car (Harbor's
+        oracle agent, a verifiers task's reference answer); the session opened for it scores that result."""
+        side = await self.sidecar()
+        try:
+            self.oracle_results[task.id] = await side.call("oracle", 900, task_id=task.id)
+        except SideCarError as e:
+            raise UserError(f"--policy oracle on {self.name}: {str(e).splitlines()[0]}") from None
 
     async def sidecar(self) -> SideCar:
         """The side-car of the running event loop, started on first use (one per loop: pipes are loop-bound)."""

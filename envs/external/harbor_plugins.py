@@ -19,7 +19,8 @@ root, so root in the trial is never the host's root (a writable /proc/sys, root'
 bound read-only on top all the same.
 
 `ProxyShellAgent`: a Harbor agent that asks an OpenAI-compatible endpoint (our proxy) for shell
-commands, runs each in the environment and shows the output back, for a few turns.
+commands, runs each in the environment and shows the output back, for a few turns; it declares
+Harbor's ``skills`` capability and names the skills Harbor copied in.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
 
 from harbor.agents.base import BaseAgent
+from harbor.agents.capabilities import AgentCapabilities
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.models.agent.context import AgentContext
 
@@ -182,27 +185,46 @@ SYSTEM = ("You are in a Linux shell. Reply with exactly one shell command to run
 
 
 class ProxyShellAgent(BaseAgent):
+    """One shell command per model turn. The reply goes back into the history exactly as the model wrote
+    it (only the command run is stripped), so the proxy sees one growing history -- one trajectory per
+    episode. No max_tokens unless the adapter passes one: the proxy's per-turn limit applies."""
+
+    capabilities = AgentCapabilities(skills=True)
+
     @staticmethod
     def name() -> str:
         return "miles-proxy-shell"
 
     def version(self) -> str | None:
-        return "1"
+        return "2"
 
     async def setup(self, environment: BaseEnvironment) -> None:
         return None
+
+    async def _skills_note(self, environment: BaseEnvironment) -> str:
+        """Harbor copies the task's (or the trial's) skills to ``skills_dir``: name them to the model."""
+        if not self.skills_dir:
+            return ""
+        found = await environment.exec(f"ls -1 {shlex.quote(self.skills_dir)} 2>/dev/null", timeout_sec=30)
+        names = [n for n in found.stdout.split() if n]
+        if not names:
+            return ""
+        return (f"\nSkills are available in {self.skills_dir}: {', '.join(names)}. Read one with "
+                f"`cat {self.skills_dir}/NAME/SKILL.md` before using it.")
 
     async def run(self, instruction: str, environment: BaseEnvironment, context: AgentContext) -> None:
         from openai import AsyncOpenAI
 
         env = self._extra_env  # the trial's agent env: this episode's proxy session
         client = AsyncOpenAI(base_url=env["MILES_PROXY_BASE_URL"], api_key=env["MILES_PROXY_API_KEY"], max_retries=0)
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": instruction}]
+        extra = {"max_tokens": int(env["MILES_PROXY_MAX_TOKENS"])} if env.get("MILES_PROXY_MAX_TOKENS") else {}
+        system = SYSTEM + await self._skills_note(environment)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": instruction}]
         for _ in range(int(env.get("MILES_PROXY_MAX_TURNS", "3"))):
-            reply = await client.chat.completions.create(model=self.model_name or "policy", messages=messages,
-                                                         max_tokens=64)
-            command = (reply.choices[0].message.content or "").strip()
-            messages.append({"role": "assistant", "content": command})
+            reply = await client.chat.completions.create(model=self.model_name or "policy", messages=messages, **extra)
+            text = reply.choices[0].message.content or ""
+            messages.append({"role": "assistant", "content": text})  # as generated: the proxy's own history
+            command = text.strip()
             if not command or command == "DONE":
                 break
             result = await environment.exec(command, timeout_sec=30)

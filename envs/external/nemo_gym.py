@@ -1,8 +1,9 @@
 """NeMo Gym adapter: a NeMo Gym resources server, driven over its HTTP contract.
 
-nemo-gym itself needs Python >= 3.13.14 and is not installed here, so this adapter speaks the
-resources-server contract directly (aiohttp) instead of running the package in a side-car. The
-contract, as read from NVIDIA-NeMo/Gym:
+The resources server is NeMo Gym's own process (nemo-gym 0.4 on Python >= 3.12: ``ng_run``, or a
+server app under uvicorn); this adapter needs only aiohttp to speak its contract, so it runs natively
+in the trainer (no side-car). The tests run the real nemo-gym package in its own venv
+(`NEMO_GYM_VENV`). The contract, as read from NVIDIA-NeMo/Gym:
 
 - ``nemo_gym/base_resources_server.py``: ``SimpleResourcesServer`` serves ``POST /seed_session``
   (``BaseSeedSessionRequest``) and ``POST /verify`` (``BaseVerifyRequest`` = ``responses_create_params``
@@ -33,15 +34,19 @@ import json
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from miles_agent.environment import Environment, EnvSession, Reward, Task, ToolError
+from miles_agent.envs.external.venv import PackageVenv
 from miles_agent.errors import UserError, require
 from miles_agent.sandbox import Sandbox
 from miles_agent.tool_calls import TOOL_CALL_BLOCK, scan_tool_calls
 
 URL_ENV = "NEMO_GYM_RESOURCES_URL"
+#: The real package, for serving resources servers here (tests; `python -m ...prepare nemo-gym`).
+NEMO_GYM_VENV = PackageVenv("nemo-gym", ("nemo-gym==0.4.0",), "3.12")
 # Routes of the contract itself: never reachable as a "tool" the model names.
 _RESERVED = frozenset({"seed_session", "verify", "aggregate_metrics", "reverify_mode", "mcp"})
 
@@ -73,7 +78,11 @@ def chat_messages(params: dict[str, Any]) -> list[dict[str, Any]]:
             raise UserError(f"NeMo Gym input item of type {item.get('type')!r} is not supported; only messages")
         content = item.get("content", "")
         if isinstance(content, list):  # [{"type": "input_text", "text": ...}, ...]
-            content = "".join(p.get("text", "") for p in content if p.get("type") in ("input_text", "output_text"))
+            other = sorted({p.get("type") for p in content} - {"input_text", "output_text"})
+            if other:  # an image the model would never see: refused, not silently dropped
+                raise UserError(f"NeMo Gym input parts of type {other} are not supported (the chat is text "
+                                "only); use a text dataset")
+            content = "".join(p.get("text", "") for p in content)
         role = "system" if item.get("role") == "developer" else item.get("role", "user")
         out.append({"role": role, "content": content})
     return out
@@ -148,49 +157,99 @@ class NemoGymSession(EnvSession):
                 "parallel_tool_calls": params.get("parallel_tool_calls", True),
                 "tool_choice": params.get("tool_choice", "auto"), "tools": params.get("tools") or []}
 
+    async def replay(self, rollout: dict[str, Any]) -> None:
+        """`--policy oracle`: NeMo Gym's own example rollout of this row -- its function calls go to the
+        tool routes of this seeded session, and its recorded response is what /verify then scores."""
+        for item in rollout["response"].get("output") or ():
+            if item.get("type") == "function_call" and item.get("name") in self.tool_names:
+                await self._post(f"/{item['name']}", json.loads(item.get("arguments") or "{}"))
+        self.recorded = rollout["response"]
+
     async def score(self, messages: list[dict[str, Any]]) -> Reward:
-        status, text = await self._post("/verify", {**self.row, "response": self.response(messages)})
+        sent = {**self.row, "response": getattr(self, "recorded", None) or self.response(messages)}
+        status, text = await self._post("/verify", sent)
         if status >= 400:
             raise RuntimeError(f"NeMo Gym /verify answered {status}: {text[:500]}")
         body = json.loads(text)
         parts = {k: float(v) for k, v in (body.get("reward_components") or {}).items()}
+        # What the server added to the request beyond the reward (judge scores, pass rates ...), kept.
+        parts.update({k: float(v) for k, v in body.items() if k not in sent and k not in ("reward", "reward_components")
+                      and isinstance(v, int | float) and not isinstance(v, bool)})
         return Reward(float(body["reward"]), parts)
 
     async def close(self) -> None:
         await self.http.close()
 
 
+@dataclass(frozen=True)
+class NemoGymOptions:
+    url: str = ""  # the resources server (default $NEMO_GYM_RESOURCES_URL)
+    tasks: str = ""  # one JSONL dataset file
+    config: str = ""  # an ng_run YAML config: its datasets (by type) and the resources server's host/port
+    split: str = ""  # read this dataset type (train | validation | example) whatever split the loop asks
+    timeout_s: float = 60.0
+
+
+#: Dataset files by the split the loop asks for (NeMo Gym's dataset types: train, validation, example).
+_SPLITS = {"train": "train", "eval": "validation", "validation": "validation", "example": "example"}
+
+
 class NemoGymEnv(Environment):
     name = "nemo-gym"
     description = "A NeMo Gym resources server (seed_session / tool routes / verify over HTTP) and its JSONL tasks."
     default_harness: ClassVar[str] = "chat-tools"
+    options_type: ClassVar[type] = NemoGymOptions
+    options_docs: ClassVar[str] = "docs/ecosystem.md"
 
-    def __init__(self, url: str | None = None, tasks: str | None = None, tasks_dir: str | None = None,
-                 timeout_s: float = 60.0) -> None:
-        self.url = (url or os.environ.get(URL_ENV, "")).rstrip("/")
+    def __init__(self, url: str = "", tasks: str = "", tasks_dir: str | None = None, config: str = "",
+                 split: str = "", timeout_s: float = 60.0) -> None:
+        datasets, server_url = read_ng_config(Path(config)) if config else ({}, "")
+        self.url = (url or os.environ.get(URL_ENV, "") or server_url).rstrip("/")
         if not self.url:
-            raise UserError(f"nemo-gym needs the resources server's URL: pass url= or set {URL_ENV}=http://HOST:PORT")
-        self.timeout_s = timeout_s
-        self.paths = self._jsonl(tasks, tasks_dir)
-        self._tasks: list[Task] | None = None
+            raise UserError(f"nemo-gym needs the resources server's URL: set env.options.url=http://HOST:PORT "
+                            f"or {URL_ENV}")
+        self.timeout_s, self.split = timeout_s, split
+        self.datasets = self._datasets(tasks, tasks_dir, datasets)
+        self._tasks: dict[str, list[Task]] = {}
+        self._open: dict[str, NemoGymSession] = {}  # the latest session per task, for `oracle_solve`
 
     @staticmethod
-    def _jsonl(tasks: str | None, tasks_dir: str | None) -> list[Path]:
+    def _datasets(tasks: str, tasks_dir: str | None, from_config: dict[str, list[Path]]) -> dict[str, list[Path]]:
+        """Dataset files by type. A folder (a resources server's ``data/``): ``train*.jsonl``,
+        ``validation*.jsonl``, ``example*.jsonl``; ``example_rollouts*.jsonl`` are recorded rollouts
+        (the oracle's), never tasks."""
         if tasks:
-            return [Path(tasks)]
-        if tasks_dir:  # `--tasks FOLDER` (e.g. a resources server's data/): every *.jsonl in it
-            paths = sorted(Path(tasks_dir).glob("*.jsonl"))
-            if paths:
-                return paths
-            raise UserError(f"{tasks_dir} holds no *.jsonl; point --tasks at a folder of NeMo Gym JSONL datasets")
-        raise UserError("nemo-gym needs tasks: pass tasks=FILE.jsonl or --tasks FOLDER (NeMo Gym JSONL rows)")
+            return {"": [Path(tasks)]}
+        if from_config:
+            return from_config
+        if not tasks_dir:
+            raise UserError("nemo-gym needs tasks: --tasks FOLDER (a data/ folder), env.options.tasks=FILE.jsonl "
+                            "or env.options.config=ng_run.yaml")
+        files = [p for p in sorted(Path(tasks_dir).glob("*.jsonl")) if not p.name.startswith("example_rollouts")]
+        if not files:
+            raise UserError(f"{tasks_dir} holds no *.jsonl datasets; point --tasks at a NeMo Gym data/ folder")
+        by_type = {t: [p for p in files if p.name.startswith(t)] for t in ("train", "validation", "example")}
+        by_type = {t: ps for t, ps in by_type.items() if ps}
+        rest = [p for p in files if not any(p in ps for ps in by_type.values())]
+        return by_type or {"": rest}
+
+    def files(self, split: str) -> list[Path]:
+        kind = self.split or _SPLITS.get(split, split)
+        if "" in self.datasets:
+            return self.datasets[""]
+        if kind in self.datasets:
+            return self.datasets[kind]
+        for fallback in ("example", "train", "validation"):  # a checkout ships example.jsonl only
+            if fallback in self.datasets:
+                return self.datasets[fallback]
+        raise UserError(f"no {kind} dataset; have {sorted(self.datasets)} (set env.options.split)")
 
     def tasks(self, split: str = "train") -> list[Task]:
-        if self._tasks is None:
-            rows = [row for p in self.paths for row in read_rows(p)]
-            self._tasks = [Task(id=str(i), messages=tuple(chat_messages(r["responses_create_params"])),
-                                info={"row": r}) for i, r in enumerate(rows)]
-        return self._tasks
+        if split not in self._tasks:
+            rows = [row for p in self.files(split) for row in read_rows(p)]
+            self._tasks[split] = [Task(id=str(i), messages=tuple(chat_messages(r["responses_create_params"])),
+                                       info={"row": r}) for i, r in enumerate(rows)]
+        return self._tasks[split]
 
     async def open(self, task: Task, sandbox: Sandbox | None = None) -> NemoGymSession:
         session = NemoGymSession(self, task)
@@ -199,4 +258,61 @@ class NemoGymEnv(Environment):
         except BaseException:
             await session.close()
             raise
+        self._open[task.id] = session
         return session
+
+    def example_rollouts(self) -> list[dict[str, Any]]:
+        folders = {p.parent for ps in self.datasets.values() for p in ps}
+        return [r for d in sorted(folders) for f in sorted(d.glob("example_rollouts*.jsonl")) for r in read_rows(f)]
+
+    async def oracle_solve(self, task: Task, sandbox: Sandbox | None = None) -> None:
+        """`--policy oracle`: replay NeMo Gym's recorded example rollout of this task's row."""
+        prompt = chat_messages(task.info["row"]["responses_create_params"])  # rollouts store the input expanded
+        match = [r for r in self.example_rollouts()
+                 if "response" in r and chat_messages(r["responses_create_params"]) == prompt]
+        if not match:
+            raise UserError(f"nemo-gym: no example_rollouts*.jsonl row records task {task.id}'s input; NeMo Gym "
+                            "records rollouts for its example split: eval with env.options.split=example")
+        await self._open.pop(task.id).replay(match[0])
+
+
+def read_ng_config(path: Path) -> tuple[dict[str, list[Path]], str]:
+    """An ng_run YAML config: the datasets its agents list (by type; ``jsonl_fpath`` is relative to the
+    Gym checkout, found as the first folder above the config holding it) and the resources server's
+    ``host``/``port`` when the config sets them."""
+    import yaml
+
+    if not path.is_file():
+        raise UserError(f"env.options.config: {path} is not a file; give an ng_run YAML config")
+    datasets: dict[str, list[Path]] = {}
+    url = ""
+
+    def walk(node: Any) -> None:
+        nonlocal url
+        if isinstance(node, dict):
+            if "jsonl_fpath" in node:
+                datasets.setdefault(str(node.get("type") or node.get("name") or ""), []).append(_locate(path, node["jsonl_fpath"]))
+            if "resources_servers" in node and isinstance(node["resources_servers"], dict):
+                for server in node["resources_servers"].values():
+                    if isinstance(server, dict) and server.get("port"):
+                        url = url or f"http://{server.get('host') or '127.0.0.1'}:{server['port']}"
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(yaml.safe_load(path.read_text()) or {})
+    datasets = {k: [p for p in ps if p.is_file()] for k, ps in datasets.items()}
+    datasets = {k: ps for k, ps in datasets.items() if ps}
+    if not datasets:
+        raise UserError(f"{path}: none of its datasets' jsonl_fpath files exist here (NeMo Gym downloads train/"
+                        "validation data separately); give --tasks DATA_FOLDER instead")
+    return datasets, url
+
+
+def _locate(config: Path, fpath: str) -> Path:
+    for base in [Path.cwd(), *config.resolve().parents]:
+        if (base / fpath).exists():
+            return base / fpath
+    return Path(fpath)

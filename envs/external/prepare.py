@@ -11,14 +11,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from miles_agent.envs.external.adapters import HarborEnv, HudEnv, OpenEnvEnv, VerifiersEnv
+from miles_agent.envs.external.nemo_gym import NEMO_GYM_VENV
 
-ALL = {cls.name: cls for cls in (OpenEnvEnv, VerifiersEnv, HarborEnv, HudEnv)}
+ALL = {cls.name: cls().venv for cls in (OpenEnvEnv, VerifiersEnv, HarborEnv, HudEnv)} | {"nemo-gym": NEMO_GYM_VENV}
 
 
 def prepare(name: str) -> str:
     start = time.perf_counter()
     try:
-        path = ALL[name]().venv.ensure()
+        path = ALL[name].ensure()
     except Exception as e:  # noqa: BLE001 - report each adapter, keep preparing the others
         return f"{name}: FAILED {type(e).__name__}: {e}"
     return f"{name}: {path} ({time.perf_counter() - start:.0f}s)"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_agent.envs.external.venv import OFFLINE_ENV
+from miles_agent.errors import UserError
 
 SIDECAR = Path(__file__).with_name("sidecar.py")
 _LOG_LINES = 40  # side-car stderr lines kept to explain a failure
@@ -33,12 +34,21 @@ def side_env(python: Path, extra: dict[str, str] | None = None) -> dict[str, str
 
 def list_tasks(python: Path, adapter: Path, config: dict[str, Any], timeout_s: float = 300) -> list[dict]:
     """One-shot, synchronous: Environment.tasks() is synchronous and called once per run."""
-    done = subprocess.run([str(python), str(SIDECAR), str(adapter), json.dumps(config), "--tasks"],
-                          capture_output=True, text=True, timeout=timeout_s, env=side_env(python))
+    name = adapter.stem.removesuffix("_side")
+    try:
+        done = subprocess.run([str(python), str(SIDECAR), str(adapter), json.dumps(config), "--tasks"],
+                              capture_output=True, text=True, timeout=timeout_s, env=side_env(python))
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{name}: listing tasks took over {timeout_s:g}s (an unbounded taskset?); bound it "
+                        "with env.options.num_tasks=N") from None
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise SideCarError(f"{adapter.stem}: listing tasks failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])["result"]
+    answer = json.loads(lines[-1]) if lines else {}
+    if "result" in answer:
+        return answer["result"]
+    last = next((ln for ln in reversed(done.stderr.splitlines()) if ln.strip()), "")
+    cause = answer.get("error") or f"the side-car exited with code {done.returncode}: {last}"
+    raise UserError(f"{name}: listing tasks failed: {cause.splitlines()[0][:600]}; fix the env.options "
+                    f"that name the environment (docs/ecosystem.md, '{name}')")
 
 
 class SideCar:

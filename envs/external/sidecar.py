@@ -6,8 +6,9 @@ another Python). Started as ``python sidecar.py ADAPTER_FILE CONFIG_JSON``; the 
     async def tasks(config: dict) -> list[dict]        # [{"id", "prompt", "info"}]
     async def episode(config: dict, task_id: str, base_url: str, api_key: str) -> dict
                                                        # {"reward": float, "parts": {...}, "info": {...}}
+    async def oracle(config: dict, task_id: str) -> dict  # optional: the ecosystem's reference solution
 
-Each request line is ``{"id": n, "op": "tasks" | "episode", "args": {...}}``; each answer is
+Each request line is ``{"id": n, "op": "tasks" | "episode" | "oracle", "args": {...}}``; each answer is
 ``{"id": n, "result": ...}`` or ``{"id": n, "error": "..."}``. Requests run concurrently. The real
 stdout is kept for the protocol and fd 1 is pointed at stderr, so a package that prints cannot
 corrupt the stream.
@@ -23,6 +24,8 @@ import sys
 import threading
 import traceback
 
+_DRAIN_S = 10.0  # seconds running requests get to finish after stdin closes
+
 
 def _protocol_stream():
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -32,10 +35,15 @@ def _protocol_stream():
 
 
 def _load(path: str):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # an adapter may share a helper module
     spec = importlib.util.spec_from_file_location("miles_sidecar_adapter", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+async def _no_oracle(config: dict, task_id: str) -> dict:
+    raise NotImplementedError("this ecosystem has no reference solution to play; use --policy model")
 
 
 async def _serve(adapter, config: dict, proto) -> None:
@@ -54,7 +62,8 @@ async def _serve(adapter, config: dict, proto) -> None:
 
     async def handle(req: dict) -> None:
         try:
-            fn = {"tasks": adapter.tasks, "episode": adapter.episode}[req["op"]]
+            fn = {"tasks": adapter.tasks, "episode": adapter.episode,
+                  "oracle": getattr(adapter, "oracle", _no_oracle)}[req["op"]]
             result = await fn(config, **req.get("args", {}))
             answer({"id": req["id"], "result": result})
         except Exception as e:  # noqa: BLE001 - every failure goes back to the caller, named
@@ -68,8 +77,10 @@ async def _serve(adapter, config: dict, proto) -> None:
             job = asyncio.ensure_future(handle(json.loads(line)))
             running.add(job)
             job.add_done_callback(running.discard)
-    if running:
-        await asyncio.gather(*running, return_exceptions=True)
+    if running:  # stdin closed (the trainer is gone): let episodes finish briefly, then leave regardless
+        _, stuck = await asyncio.wait(running, timeout=_DRAIN_S)
+        if stuck:
+            os._exit(0)  # a package that never returns must not outlive the trainer
 
 
 def main() -> None:
@@ -77,7 +88,11 @@ def main() -> None:
     adapter = _load(sys.argv[1])
     config = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     if len(sys.argv) > 3 and sys.argv[3] == "--tasks":  # one-shot listing, for the synchronous tasks()
-        proto.write(json.dumps({"id": 1, "result": asyncio.run(adapter.tasks(config))}) + "\n")
+        try:
+            proto.write(json.dumps({"id": 1, "result": asyncio.run(adapter.tasks(config))}) + "\n")
+        except Exception as e:  # noqa: BLE001 - one line back to the caller; the traceback stays in the log
+            traceback.print_exc()
+            proto.write(json.dumps({"id": 1, "error": f"{type(e).__name__}: {e}"}) + "\n")
         return
     asyncio.run(_serve(adapter, config, proto))
 

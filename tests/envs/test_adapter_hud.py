@@ -6,8 +6,12 @@ The hud venv is created on first use (cached under $MILES_AGENT_CACHE, ~2-4 min 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from miles_agent.build import build_env
+from miles_agent.config import load_config
 from miles_agent.envs.external.adapters import HudEnv
 from miles_agent.types import Status
 from tests.envs.adapter_helpers import model_texts, play
@@ -61,3 +65,16 @@ def test_hud_tool_template_calls_the_env_mcp_tool_through_the_agent(tokenizer, s
     n = len(traj.prompt_ids)
     observation = tokenizer.decode([t for t, m in zip(traj.tokens[n:], traj.loss_mask, strict=True) if not m])
     assert "<tool_response>3</tool_response>" in observation  # the MCP tool's answer, back as a tool message
+
+
+CAPITALS = Path(__file__).parents[1] / "fixtures" / "hud_envs" / "capitals" / "env.py"
+
+
+@pytest.mark.parametrize(("reply", "reward"), [("Tokyo", 1.0), ("Kyoto", 0.0)])
+def test_hud_env_runs_its_own_taskset_and_keeps_the_grade_info(tokenizer, scripted, reply, reward):
+    env = build_env(load_config(overrides=["env.name=hud", f"env.options.env_file={CAPITALS}"]))
+    assert [t.info["args"]["country"] for t in env.tasks()] == ["France", "Japan"]  # declared in env.py
+    (traj,) = play(env, tokenizer, scripted([reply]), task_index=1)
+    assert traj.status is Status.COMPLETED, traj.metadata
+    assert traj.reward == reward
+    assert traj.reward_parts == {"steps": 1.0, "info/exact": reward, "info/length": 5.0}  # EvaluationResult.info

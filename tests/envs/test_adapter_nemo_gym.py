@@ -1,5 +1,6 @@
 """NeMo Gym adapter against a resources server written to NeMo Gym's HTTP contract
-(tests/envs/nemo_gym_contract.py; the real nemo-gym needs Python >= 3.13.14 and is not run here).
+(tests/envs/nemo_gym_contract.py): fast, no venv. The same adapter against the real nemo-gym package
+is tests/envs/test_adapter_nemo_gym_real.py.
 
 The server is started by each test on 127.0.0.1 in a thread; episodes run through the chat-tools
 harness (exact TITO) with the row's tools, each call going to the server's tool route under the
