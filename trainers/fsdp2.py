@@ -122,7 +122,11 @@ class FSDP2Trainer(PolicyTrainer):
         if needs_reference(algo):  # a frozen copy of the initial policy in the compute dtype (not saved)
             self.ref_model = shard(copy.deepcopy(model).requires_grad_(False).eval().to(self.device), self.mesh)
         if train.activation_checkpointing:  # each decoder layer recomputed in backward (FSDP2-composable)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 master weights (upcasting bf16 is exact); FSDP2 casts them to the compute dtype to run
         self.model = shard(model.to(self.device, master), self.mesh,
                            precision.fsdp_policy(self.compute_dtype, master))

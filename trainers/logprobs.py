@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
            entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor]:
-    logits = F.linear(h, weight, bias).float() / temperature
+    logits = F.linear(h, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # at least fp32
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     if not entropy:
