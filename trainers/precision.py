@@ -68,6 +68,7 @@ class MainParams:
                          "sequence_parallel", "average_gradients_across_tp_domain", "allreduce"):
                 if hasattr(p, attr):
                     setattr(main, attr, getattr(p, attr))
+            p.main_copy = main  # where code that finds a model parameter looks for its gradient
             p.register_post_accumulate_grad_hook(self._accumulate(main))
             self.pairs.append((name, p, main))
 
