@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from megatron_helpers import trajectories
 
 from miles_agent.config import AlgoConfig, TrainConfig
+from miles_agent.errors import UserError
 from miles_agent.models.builder import build_tiny
 from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.megatron.options import MegatronConfig
@@ -86,3 +88,25 @@ def test_fp32_main_weights_take_the_step_where_bf16_parameters_round_it_away(tmp
         assert changed_fraction(snapshot(plain), before) < 0.1  # bf16 AdamW at lr 1e-6 stands still
     finally:
         plain.close()
+
+
+def test_activation_recompute_gives_the_same_gradients_and_packing_is_refused() -> None:
+    def grads(**train: object) -> dict[str, torch.Tensor]:
+        model, tok = build_tiny("tiny-qwen3", seed=3)
+        trainer = MegatronTrainer(model, tok, TrainConfig(micro_batch_tokens=24, **train), AlgoConfig(),
+                                  megatron=MegatronConfig())
+        try:
+            assert trainer.model.config.recompute_granularity == ("full" if train else None)
+            step = trainer.plan_steps(batch())[0]
+            trainer.model.train()
+            for _ in trainer._backward_micro_batches(step, False):
+                pass
+            return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        finally:
+            trainer.close()
+
+    plain, recomputed = grads(), grads(activation_checkpointing=True)
+    assert all(torch.equal(plain[n], recomputed[n]) for n in plain)
+    model, tok = build_tiny("tiny-qwen3", seed=3)
+    with pytest.raises(UserError, match="pack_sequences"):
+        MegatronTrainer(model, tok, TrainConfig(pack_sequences=True), AlgoConfig(), megatron=MegatronConfig())
