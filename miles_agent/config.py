@@ -77,6 +77,12 @@ class TrainConfig:
     ppo_epochs: int = 1  # passes over the rollout batch; old logprobs are computed once before the first
     world_size: int = 1  # FSDP2 ranks; 1 runs in-process
     offload: bool | str = "auto"  # state to host while engines generate; auto = on with cluster.colocate (Ray)
+    # Precision and memory (docs/precision.md): fp32 master weights and optimizer state under a bf16
+    # model.dtype (compute in model.dtype); "bfloat16" = plain bf16 AdamW (most small updates round away).
+    master_dtype: str = "float32"
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (fsdp2)
+    pack_sequences: bool = False  # fsdp2: a micro-batch's sequences in one row, no pad tokens computed
+    logits_chunk_tokens: int = 1024  # LM head + log-softmax per chunk of this many tokens; 0 = all at once
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,16 @@ class MicroBatch:
     response_cols: list[tuple[int, int]]  # per row: (first grid column of the response, response length)
     routed_experts: Tensor | None = None  # [B, L, moe_layers, top_k] replay ids (R3), -1 = not replayed
     teacher_logp: Tensor | None = None  # [B, K] when the batch carries a teacher's logprobs (distillation)
+    # Packed forward (``pack``): the rows' real tokens in one row, positions restarting per sequence,
+    # and for each grid cell the packed position whose hidden state predicts it (where ``real``).
+    packed_ids: Tensor | None = None  # [1, T]
+    packed_positions: Tensor | None = None  # [1, T]
+    packed_src: Tensor | None = None  # [B, K] long
+
+    @property
+    def real(self) -> Tensor:
+        """[B, K] bool: grid cells whose target is a real token of the row (not padding)."""
+        return self.attention_mask[:, self.offset + 1:].bool()
 
     @property
     def keep(self) -> int:
@@ -78,7 +88,8 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> MicroBatch:
         for name in ("input_ids", "attention_mask", "targets", "loss_mask", "sampled", "advantages",
-                     "rollout_logp", "teacher_logp", "routed_experts"):
+                     "rollout_logp", "teacher_logp", "routed_experts", "packed_ids", "packed_positions",
+                     "packed_src"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(device, non_blocking=True))
         return self
@@ -133,3 +144,20 @@ def build_micro_batch(trajectories: Sequence[Trajectory], indices: list[int],
             teacher[b, c:c + n] = torch.tensor(teacher_logprobs[i], dtype=torch.float)
     return MicroBatch(list(indices), input_ids, attention, offset, targets, sampled=sampled,
                       response_cols=cols, teacher_logp=teacher, **grid)
+
+
+def pack(mb: MicroBatch) -> MicroBatch:
+    """Add the packed layout to ``mb`` (varlen packing): its rows' real tokens concatenated into one row
+    with ``position_ids`` restarting at each sequence, which transformers turns into attention that
+    never crosses a sequence boundary (a block-diagonal causal mask; cu_seqlens with flash attention).
+    The grid stays padded: only the forward runs packed, the loss reads the same ``[B, K]`` grid."""
+    lengths = mb.attention_mask.sum(-1).tolist()
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + int(n))
+    mb.packed_ids = torch.cat([mb.input_ids[b, :int(n)] for b, n in enumerate(lengths)])[None]
+    mb.packed_positions = torch.cat([torch.arange(int(n), device=mb.input_ids.device) for n in lengths])[None]
+    cols = torch.arange(mb.targets.shape[1], device=mb.input_ids.device)
+    starts_t = torch.tensor(starts, dtype=torch.long, device=mb.input_ids.device)
+    mb.packed_src = (starts_t[:, None] + mb.offset + cols[None]).where(mb.real, torch.zeros((), dtype=torch.long))
+    return mb

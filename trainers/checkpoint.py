@@ -88,8 +88,9 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
     return json.loads((path / META).read_text())
 
 
-def save_hf(model: nn.Module, tokenizer: Any, path: Path, rank: int) -> None:
-    """Gather full weights to rank 0 (CPU) and write an HF folder via ``models.builder.save_hf``.
+def save_hf(model: nn.Module, tokenizer: Any, path: Path, rank: int, dtype: torch.dtype | None = None) -> None:
+    """Gather full weights to rank 0 (CPU) and write an HF folder via ``models.builder.save_hf``, in
+    ``dtype`` (the model's compute dtype; None: as held).
 
     The weights are loaded into an HF model built on the meta device, so rank 0 holds one full copy
     of the weights and no second, randomly initialized model."""
@@ -98,6 +99,8 @@ def save_hf(model: nn.Module, tokenizer: Any, path: Path, rank: int) -> None:
     from miles_agent.models.builder import save_hf as write_hf
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dtype is not None:
+        full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
     if rank == 0:
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(model.config)

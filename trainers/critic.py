@@ -29,6 +29,7 @@ from miles_agent.algorithms.losses import aggregate
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
 from miles_agent.trainers import checkpoint as ckpt
+from miles_agent.trainers import precision
 from miles_agent.trainers.batching import MicroBatch, build_micro_batch, pack_micro_batches, rank_plan
 from miles_agent.trainers.fsdp2 import init_distributed, shard
 from miles_agent.trainers.minibatch import split_mini_batches, to_grid
@@ -68,7 +69,9 @@ class CriticTrainer:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         self._owns_group = init_distributed(self.device, train.world_size)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.model = shard(value_model.to(self.device), init_device_mesh(self.device.type, (self.world_size,)))
+        compute, master = precision.dtypes(value_model, train)  # the policy's mixed precision
+        self.model = shard(value_model.to(self.device, master), init_device_mesh(self.device.type, (self.world_size,)),
+                           precision.fsdp_policy(compute, master))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr, betas=tuple(train.betas),
                                            eps=train.adam_eps, weight_decay=train.weight_decay)
         self.step = 0

@@ -35,8 +35,9 @@ from miles_agent.algorithms.estimators import needs_reference
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
 from miles_agent.trainers import checkpoint as ckpt
-from miles_agent.trainers import routing_replay
-from miles_agent.trainers.batching import MicroBatch
+from miles_agent.trainers import precision, routing_replay
+from miles_agent.trainers.batching import MicroBatch, pack
+from miles_agent.trainers.logprobs import chunked_head, head_logprobs
 from miles_agent.trainers.policy_trainer import PolicyTrainer, local_grad_norm
 from miles_agent.types import Trajectory
 
@@ -74,12 +75,23 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(found[0])
 
 
-def shard(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head)."""
+def shard(model: nn.Module, mesh: DeviceMesh, mp_policy: Any = None) -> nn.Module:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head), under the
+    mixed-precision policy when given (``precision.fsdp_policy``)."""
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
+
+
+def check_memory_options(train: TrainConfig, algo: AlgoConfig) -> None:
+    if train.logits_chunk_tokens < 0:
+        raise UserError(f"train.logits_chunk_tokens must be >= 0 (0 = unchunked), got {train.logits_chunk_tokens}")
+    for name in ("routing_replay", "true_on_policy"):
+        if train.pack_sequences and getattr(algo, name):
+            raise UserError(f"train.pack_sequences and algo.{name} are exclusive ({name} lays out one sequence "
+                            "per row); set train.pack_sequences=false")
 
 
 class FSDP2Trainer(PolicyTrainer):
@@ -88,6 +100,8 @@ class FSDP2Trainer(PolicyTrainer):
     def __init__(self, model: nn.Module, tokenizer: Any, train: TrainConfig, algo: AlgoConfig, *,
                  temperature: float = 1.0, device: str = "cpu") -> None:
         super().__init__(tokenizer, train, algo, temperature)
+        check_memory_options(train, algo)
+        self.compute_dtype, master = precision.dtypes(model, train)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -105,14 +119,46 @@ class FSDP2Trainer(PolicyTrainer):
         if algo.true_on_policy:  # the engine's batch-invariant numerics: bitwise-equal logprobs
             true_on_policy.apply(model)
         self.ref_model: nn.Module | None = None
-        if needs_reference(algo):  # a frozen copy of the initial policy, sharded the same way (not saved)
+        if needs_reference(algo):  # a frozen copy of the initial policy in the compute dtype (not saved)
             self.ref_model = shard(copy.deepcopy(model).requires_grad_(False).eval().to(self.device), self.mesh)
-        self.model = shard(model.to(self.device), self.mesh)
+        if train.activation_checkpointing:  # each decoder layer recomputed in backward (FSDP2-composable)
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # fp32 master weights (upcasting bf16 is exact); FSDP2 casts them to the compute dtype to run
+        self.model = shard(model.to(self.device, master), self.mesh,
+                           precision.fsdp_policy(self.compute_dtype, master))
         self._init_optimizer()
 
     # -- hooks --------------------------------------------------------------------------------------
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch, entropy: bool = False,
                           entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Logprobs (and entropy) on the grid, in fp32, from the LM head run a chunk at a time over the
+        real grid cells only (``logprobs``); packed micro-batches run one row with restarting positions."""
+        if self.algo.true_on_policy:  # the engine's exact kernels over the whole logits
+            return self._full_logits_logprobs(model, mb, entropy, entropy_grad)
+        real, chunk = mb.real, self.train_cfg.logits_chunk_tokens
+
+        def head(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+            h = hidden[0, mb.packed_src[real]] if mb.packed_ids is not None else hidden[:, :-1][real]
+            logp, ent = head_logprobs(h, weight, bias, mb.targets[real], self.temperature, chunk, entropy,
+                                      entropy_grad)
+            return torch.stack([logp, ent], -1) if ent is not None else logp[:, None]
+
+        with routing_replay.replaying(model, mb.routed_experts), chunked_head(model, head):
+            if mb.packed_ids is not None:  # no attention mask: transformers blocks attention across sequences
+                vals = model(input_ids=mb.packed_ids, position_ids=mb.packed_positions, use_cache=False).logits
+            else:
+                vals = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
+                             use_cache=False).logits
+        zeros = torch.zeros(real.shape, dtype=vals.dtype, device=vals.device)
+        logp = zeros.masked_scatter(real, vals[:, 0])
+        return logp, zeros.masked_scatter(real, vals[:, 1]) if entropy else None
+
+    def _full_logits_logprobs(self, model: nn.Module, mb: MicroBatch, entropy: bool = False,
+                              entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         with routing_replay.replaying(model, mb.routed_experts):
             out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
                         use_cache=False)
@@ -133,6 +179,8 @@ class FSDP2Trainer(PolicyTrainer):
                              advantages: Sequence[Sequence[float]] | None,
                              teacher: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
         mbs = super()._build_micro_batches(trajectories, plan, advantages, teacher)
+        if self.train_cfg.pack_sequences:
+            mbs = [pack(mb) for mb in mbs]
         if self.algo.routing_replay:
             routers = routing_replay.moe_routers(self.model)
             for mb in mbs:
@@ -156,18 +204,20 @@ class FSDP2Trainer(PolicyTrainer):
     # -- weights out --------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full tensors under the unwrapped HF ``state_dict`` names, one all-gather per tensor (tied
-        weights share one). A collective: iterate it to the end on every rank."""
+        weights share one), in the compute dtype (the engine's: fp32 masters are rounded to bf16 here).
+        A collective: iterate it to the end on every rank."""
         seen: dict[tuple[int, tuple[int, ...]], Tensor] = {}
         for name, t in self.model.state_dict().items():
             local = t.to_local() if isinstance(t, DTensor) else t
             key = (local.data_ptr(), tuple(t.shape))
             if key not in seen:
-                seen[key] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+                full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+                seen[key] = full.to(self.compute_dtype) if full.is_floating_point() else full
             yield name, seen[key]
 
     def save_hf(self, path: Path) -> None:
         """Rank 0 writes the policy as an HF folder via ``models.builder.save_hf``."""
-        ckpt.save_hf(self.model, self.tokenizer, Path(path), self.rank)
+        ckpt.save_hf(self.model, self.tokenizer, Path(path), self.rank, self.compute_dtype)
 
     def save_checkpoint(self, path: Path) -> None:
         ckpt.save(Path(path), self.model, self.optimizer, self.rank, {"step": self.step})

@@ -46,6 +46,11 @@ class DeviceOffload:
                 if p.grad is not None:
                     yield p.grad
             yield from module.buffers()
+        for group in self.optimizer.param_groups:  # parameters outside the modules (fp32 main copies)
+            for p in group["params"]:
+                yield p
+                if p.grad is not None:
+                    yield p.grad
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, Tensor))
 

@@ -14,7 +14,7 @@ compute a micro-batch's logprobs and complete gradients across ranks, so those a
 
 Overridable defaults: ``_build_micro_batches`` (extra per-micro-batch inputs, e.g. routing replay),
 ``_no_grad_logprobs`` and ``_backward_micro_batches`` (pipeline schedules), ``_sum_metric_shares``,
-``_optimizer_step``. A backend's ``__init__`` calls ``super().__init__`` first (options are checked
+``_optimized_params`` (what AdamW steps), ``_optimizer_step``. A backend's ``__init__`` calls ``super().__init__`` first (options are checked
 before any weight moves), sets ``model``, ``ref_model``, ``rank``, ``dp_rank``, ``dp_size`` and
 ``device``, then calls ``_init_optimizer``; it still owns the weights' way out (``named_weights``,
 ``save_hf``, checkpoints) and ``close``. ``tests/contracts/test_trainer_contract.py`` has a complete
@@ -117,7 +117,7 @@ class PolicyTrainer(ABC):
         """AdamW over ``model``, the schedule checked (a bad one fails here, not at the first step), and
         the colocation offload of both models and the optimizer state (``offload``)."""
         t = self.train_cfg
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps,
+        self.optimizer = torch.optim.AdamW(self._optimized_params(), lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps,
                                            weight_decay=t.weight_decay)
         lr_at(t, 0)
         self.memory = DeviceOffload(lambda: (self.model, self.ref_model), self.optimizer, self.device)
@@ -184,10 +184,14 @@ class PolicyTrainer(ABC):
             self._backward(loss)
             yield metrics
 
+    def _optimized_params(self) -> list[nn.Parameter]:
+        """The parameters AdamW steps (Megatron's fp32 main copies under mixed precision)."""
+        return list(self.model.parameters())
+
     def _optimizer_step(self) -> float:
         """Clip and step at the schedule's learning rate; returns the gradient norm."""
         self._reduce_grads()
-        grad_norm = clip_and_step(self.optimizer, list(self.model.parameters()), self._grad_norm(),
+        grad_norm = clip_and_step(self.optimizer, self._optimized_params(), self._grad_norm(),
                                   self.train_cfg.grad_clip, lr_at(self.train_cfg, self.step))
         self.step += 1
         return grad_norm

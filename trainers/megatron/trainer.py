@@ -35,6 +35,7 @@ from miles_agent.trainers.megatron.model import ParallelSizes, build_gpt, padded
 from miles_agent.trainers.megatron.options import MegatronConfig
 from miles_agent.trainers.megatron.sharding import RankCoords, merge, shard
 from miles_agent.trainers.policy_trainer import OptimizerStep, PolicyTrainer
+from miles_agent.trainers.precision import MainParams, dtypes
 from miles_agent.trainers.step_loss import micro_batch_loss
 
 
@@ -47,6 +48,9 @@ class MegatronTrainer(PolicyTrainer):
         from megatron.core import parallel_state as ps
 
         super().__init__(tokenizer, train, algo, temperature)
+        if train.pack_sequences:
+            raise UserError("train.pack_sequences is implemented by the fsdp2 trainer only; set "
+                            "train.pack_sequences=false with train.backend=megatron")
         for name in ("routing_replay", "true_on_policy"):
             if getattr(algo, name):
                 raise UserError(f"algo.{name} is implemented by the fsdp2 trainer only; set train.backend=fsdp2 "
@@ -83,7 +87,7 @@ class MegatronTrainer(PolicyTrainer):
         self.coords = RankCoords(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                  ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        dtype = next(model.parameters()).dtype
+        dtype, master = dtypes(model, train)  # bf16 parameters, fp32 main copies (precision.MainParams)
         full = bridge.hf_to_megatron(bridge.hf_checkpoint_tensors(model), self.spec,
                                      padded_vocab(self.spec, self.sizes.tensor))
         local = shard(full, self.spec, self.sizes, self.coords)
@@ -93,11 +97,15 @@ class MegatronTrainer(PolicyTrainer):
         if needs_reference(algo):  # a frozen copy of the initial policy, sharded the same way (not saved)
             self.ref_model = self._build_loaded(local, dtype).requires_grad_(False).eval()
         del local
+        self.compute_dtype = dtype
+        self.main = MainParams(self.model, master) if master != dtype else None
         self._init_optimizer()
 
     def _build_loaded(self, local: dict[str, Tensor], dtype: torch.dtype) -> torch.nn.Module:
         """This rank's GPTModel holding ``local`` (its shard of the converted weights)."""
-        gpt = build_gpt(self.spec, self.sizes, dtype).to(self.device)
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+            if self.train_cfg.activation_checkpointing else {}
+        gpt = build_gpt(self.spec, self.sizes, dtype, **recompute).to(self.device)
         missing, unexpected = gpt.load_state_dict(local, strict=False)
         if unexpected or any(not k.endswith("_extra_state") for k in missing):
             raise RuntimeError(f"converted weights do not fit the Megatron model: missing {missing[:3]}, "
@@ -231,21 +239,38 @@ class MegatronTrainer(PolicyTrainer):
             # tied embeddings: the first stage's input embedding and the last stage's output layer are one
             # weight held twice; both copies get the sum of their gradients
             shared = self.model.shared_embedding_or_output_weight()
+            shared = getattr(shared, "main_copy", shared)
             if shared.grad is None:
                 shared.grad = torch.zeros_like(shared)
             dist.all_reduce(shared.grad, group=ps.get_embedding_group())
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        for name, p, g in self._grad_holders():
+            if g.grad is None:
+                g.grad = torch.zeros_like(g)
             if self.sizes.tensor > 1:
                 if getattr(p, "average_gradients_across_tp_domain", False):
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=tp_group)
+                    dist.all_reduce(g.grad, op=dist.ReduceOp.AVG, group=tp_group)
                 elif "q_layernorm" in name or "k_layernorm" in name or (
                         seq_parallel and getattr(p, "sequence_parallel", False)):
-                    dist.all_reduce(p.grad, group=tp_group)
+                    dist.all_reduce(g.grad, group=tp_group)
             group = experts if ".local_experts." in name else dense
             if dist.get_world_size(group) > 1:
-                dist.all_reduce(p.grad, group=group)
+                dist.all_reduce(g.grad, group=group)
+
+    def _grad_holders(self) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter]]:
+        """(name, model parameter, the parameter holding its gradient): the fp32 main copy under mixed
+        precision (gradients are accumulated there in fp32), else the parameter itself."""
+        if self.main is not None:
+            return list(self.main.named())
+        return [(n, p, p) for n, p in self.model.named_parameters()]
+
+    def _optimized_params(self) -> list[torch.nn.Parameter]:
+        return self.main.params() if self.main is not None else super()._optimized_params()
+
+    def _optimizer_step(self) -> float:
+        grad_norm = super()._optimizer_step()
+        if self.main is not None:
+            self.main.to_model()  # the stepped fp32 weights, rounded into the bf16 model
+        return grad_norm
 
     def _grad_norm(self) -> Tensor:
         """The global norm over the model-parallel shards: dense weights are distinct over the tensor x
@@ -253,15 +278,15 @@ class MegatronTrainer(PolicyTrainer):
         from megatron.core import parallel_state as ps
 
         dense, experts = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
+        for name, p, g in self._grad_holders():
+            if g.grad is None:
                 continue
             if getattr(p, "shared", False):
                 continue  # the last stage's copy of tied embeddings: counted on the first stage
             if ".local_experts." in name:
-                experts += p.grad.float().pow(2).sum()
+                experts += g.grad.float().pow(2).sum()
             elif getattr(p, "tensor_model_parallel", False) or self.coords.tensor == 0:
-                dense += p.grad.float().pow(2).sum()
+                dense += g.grad.float().pow(2).sum()
         if dist.get_world_size() > 1:
             dist.all_reduce(dense, group=ps.get_model_parallel_group())
             if self.spec.is_moe:
@@ -285,8 +310,10 @@ class MegatronTrainer(PolicyTrainer):
 
     # -- weights out --------------------------------------------------------------------------------
     def _full_hf_state(self) -> dict[str, Tensor]:
-        """Every rank's shard gathered and merged, in HF checkpoint names (a collective)."""
-        local = {k: v.detach().cpu() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        """Every rank's shard gathered and merged, in HF checkpoint names and the compute dtype (the
+        engine's; Megatron's CPU norms hold fp32 weights in a bf16 model). A collective."""
+        local = {k: v.detach().cpu().to(self.compute_dtype) if v.is_floating_point() else v.detach().cpu()
+                 for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
         if dist.get_world_size() == 1:
             states = {self.coords: local}
         else:
@@ -329,6 +356,7 @@ class MegatronTrainer(PolicyTrainer):
             tmp.mkdir(parents=True)
         dist.barrier()
         torch.save({"coords": self.coords, "model": self.model.state_dict(),
+                    "main": None if self.main is None else self.main.state_dict(),  # the fp32 masters
                     "optim": self.optimizer.state_dict(), "rng": torch.get_rng_state()}, tmp / f"rank{rank}.pt")
         if rank == 0:
             meta = {"step": self.step, "world_size": dist.get_world_size(), "sizes": self.sizes.__dict__}
@@ -349,6 +377,11 @@ class MegatronTrainer(PolicyTrainer):
                             f"{meta['sizes']}; resume with the same layout (or export with save_hf and restart)")
         state = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)
         self.model.load_state_dict(state["model"])
+        if self.main is not None:
+            if state.get("main") is None:
+                raise UserError(f"checkpoint {path} holds no fp32 main weights (written with train.master_dtype "
+                                "equal to model.dtype); resume with the same precision settings")
+            self.main.load_state_dict(state["main"])
         self.optimizer.load_state_dict(state["optim"])
         torch.set_rng_state(state["rng"])
         self.step = int(meta["step"])

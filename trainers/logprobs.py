@@ -1,0 +1,69 @@
+"""Token logprobs and entropy from the LM head, a chunk of tokens at a time, in fp32.
+
+A full ``[tokens, vocab]`` logits tensor is the largest activation of a long agent trajectory (32k
+tokens x 152k vocabulary = 18.6 GiB in fp32, more with its softmax and gradient). ``head_logprobs``
+runs the LM head, the fp32 log-softmax and the entropy over ``chunk`` tokens at a time; under
+autograd each chunk is checkpointed (``torch.utils.checkpoint``), so backward recomputes one chunk's
+logits at a time instead of keeping them all. Only grid cells whose target is a real token are
+computed (pad columns of a padded micro-batch never reach the head).
+
+``chunked_head(model, fn)`` swaps the HF model's output layer for ``fn`` during one forward call, so
+the head still runs inside the model's forward (FSDP2 has the head's weight gathered there, and
+``logits_to_keep`` has already cut the hidden states to the grid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+           entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    logits = F.linear(h, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # at least fp32
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not entropy:
+        return logp, logp.new_zeros(())
+    src, lse_e = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
+    ent = lse_e - (torch.softmax(src, -1) * src).sum(-1)
+    return logp, ent
+
+
+def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+                  chunk: int, entropy: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Logprob of ``targets[i]`` (and the entropy) at ``temperature`` for each row of ``hidden``
+    ([N, H] -> [N]); ``chunk`` <= 0 computes all rows at once (the unchunked reference)."""
+    n = hidden.shape[0]
+    step = n if chunk <= 0 else chunk
+    recompute = torch.is_grad_enabled() and chunk > 0 and (hidden.requires_grad or weight.requires_grad)
+    logps, ents = [], []
+    for start in range(0, max(n, 1), max(step, 1)):
+        args = (hidden[start:start + step], weight, bias, targets[start:start + step], temperature, entropy,
+                entropy_grad)
+        logp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
+        logps.append(logp)
+        ents.append(ent)
+    logp = torch.cat(logps) if len(logps) > 1 else logps[0]
+    if not entropy:
+        return logp, None
+    ent = torch.cat(ents) if len(ents) > 1 else ents[0]
+    return logp, ent if entropy_grad else ent.detach()
+
+
+@contextlib.contextmanager
+def chunked_head(model: nn.Module, fn: Callable[[Tensor, Tensor, Tensor | None], Tensor]) -> Iterator[None]:
+    """During the block, ``model``'s output layer returns ``fn(hidden, weight, bias)`` instead of logits."""
+    head = model.get_output_embeddings()
+    head.forward = types.MethodType(lambda self, h: fn(h, self.weight, getattr(self, "bias", None)), head)
+    try:
+        yield
+    finally:
+        del head.forward
