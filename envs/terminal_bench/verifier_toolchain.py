@@ -36,7 +36,6 @@ from pathlib import Path
 from miles_agent.errors import UserError
 
 
-
 def default_dest() -> Path:
     """Where ``prepare`` puts the toolchain and "auto" looks for it. For root it is /var/cache: the local
     sandbox runs a root caller's verifier as an unprivileged uid, which cannot enter /root."""
