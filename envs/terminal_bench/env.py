@@ -278,6 +278,15 @@ def _parse_reward(kind: str, body: str) -> tuple[float, dict[str, float]] | None
 
 # -- the environment ------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class TerminalBenchOptions:
+    """``env.options`` of terminal-bench (e.g. ``env.options.verifier_toolchain=none``)."""
+
+    verifier_toolchain: str = "auto"  # a prepared folder, "auto" (the default one when prepared) or "none"
+    command_timeout_s: float = 60.0  # one bash call's limit (the task's [agent] timeout bounds the sum)
+    max_output_chars: int = 8000  # of a command's output shown to the agent (the middle is cut)
+
+
 class TerminalBenchEnv(Environment):
     """Harbor-format terminal tasks (the shipped set or a --tasks folder), one bash tool, test.sh reward."""
 
@@ -286,6 +295,8 @@ class TerminalBenchEnv(Environment):
     needs_sandbox: ClassVar[bool] = True
     default_harness: ClassVar[str] = "terminal"  # the Terminus-style loop, which drives the bash tool
     env_keys: ClassVar[tuple[str, ...]] = ("sandbox", "sandbox_options")  # which backend runs the tasks
+    options_type: ClassVar[type] = TerminalBenchOptions
+    options_docs: ClassVar[str] = "docs/harbor.md"
 
     def __init__(self, tasks_dir: str | Path | None = None, *, sandbox: str = "local",
                  sandbox_options: dict[str, Any] | None = None,
