@@ -90,6 +90,17 @@ def test_env_path_is_expanded_against_the_base_image(tmp_path):
     assert asyncio.run(oracle_and_noop(tmp_path, "envpath"))[:2] == (1.0, 0.0)
 
 
+def test_a_verifier_imports_the_agents_package_from_the_workdir(tmp_path):
+    """Real tests run ``python3 -m pkg`` from /app to exercise the agent's own code: the verifier's
+    Python must keep its cwd on sys.path, as in Harbor's containers (no PYTHONSAFEPATH)."""
+    make_task(tmp_path, "pkg", files={
+        "environment/Dockerfile": "FROM python:3.12-slim\nWORKDIR /app\n",
+        "solution/solve.sh": ("#!/bin/bash\nmkdir -p reconciler\n"
+                              "printf 'print(6 * 7)\\n' > reconciler/__main__.py\n"),
+    }, test_sh=check('cd /app', '[ "$(python3 -m reconciler)" = 42 ]'))
+    assert asyncio.run(oracle_and_noop(tmp_path, "pkg"))[:2] == (1.0, 0.0)
+
+
 @pytest.mark.parametrize("text, env, want", [
     ("$A/x", {"A": "1"}, ["1/x"]), ("${A}y", {"A": "1"}, ["1y"]), ("${B:-d}", {}, ["d"]),
     ("${B:-d}", {"B": ""}, ["d"]), ("${B-d}", {"B": ""}, [""]), ("${A:+set}", {"A": "1"}, ["set"]),
