@@ -172,7 +172,11 @@ def build_plan(cfg: Config, hw: Hardware) -> Plan:
         notes.append(f"each engine's KV cache holds {engine.kv_tokens} tokens: "
                      f"{engine.kv_tokens // cfg.env.max_total_tokens} of its {per_engine} concurrent trajectories "
                      "at full length (the rest queue)")
-    trainer_total = train.total(checkpointing=True)
+    # What the recipe runs with: checkpointing only when it asks; logits in chunks only on FSDP2 (Megatron's
+    # head computes a whole [T, V/TP] fp32 tensor per micro-batch).
+    checkpointing = cfg.train.activation_checkpointing
+    chunked = cfg.train.backend == "fsdp2" and cfg.train.logits_chunk_tokens > 0
+    trainer_total = train.total(checkpointing=checkpointing, chunked_logits=chunked)
     offload = cfg.cluster.colocate and cfg.cluster.mode == "ray" and cfg.train.offload is not False
     if cfg.cluster.mode == "ray" and not cfg.cluster.colocate:
         peak = max(trainer_total, engine.budget)  # separate GPUs: the busier kind
@@ -181,16 +185,21 @@ def build_plan(cfg: Config, hw: Hardware) -> Plan:
     else:
         peak = trainer_total + engine.budget  # one GPU holding both all the time
     if peak > usable:
-        fix = ("raise cluster.nodes / train.world_size or the parallel sizes (megatron.*)"
-               if train.weights + train.optimizer > usable / 2 else "lower train.micro_batch_tokens")
+        if not checkpointing and train.total(checkpointing=True, chunked_logits=chunked) <= usable:
+            fix = "set train.activation_checkpointing=true"
+        elif train.weights + train.optimizer > usable / 2:
+            fix = "raise cluster.nodes / train.world_size or the parallel sizes (megatron.*)"
+        else:
+            fix = "lower train.micro_batch_tokens"
         raise PlanError(f"a GPU needs {peak / GIB:.1f} GiB of {hw.gpu_memory_gib:g} ({RESERVED_GIB:g} kept for "
                         f"CUDA); {fix}")
-    if train.total(checkpointing=False) > usable:
+    if checkpointing and train.total(checkpointing=False, chunked_logits=chunked) > usable:
         notes.append("fits only with activation checkpointing (the activations of every layer would not)")
     rows = [("trainer weights", train.weights), ("trainer gradients", train.gradients),
             ("optimizer (fp32 master + Adam)", train.optimizer),
-            ("activations, checkpointed", train.activations_checkpointed),
-            ("activations, not checkpointed", train.activations), ("logits, unchunked fp32", train.logits),
+            ("activations, checkpointed" if checkpointing else "activations (no checkpointing)",
+             train.activations_checkpointed if checkpointing else train.activations),
+            ("logits, in chunks" if chunked else "logits, unchunked fp32", 0.0 if chunked else train.logits),
             ("engine weights", engine.weights), ("engine KV cache", engine.kv_cache)]
     if offload:
         notes.append("colocated with offload: the trainer's state goes to host memory while engines generate, and "
@@ -209,7 +218,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         lines.append(f"  node {g // hw.gpus_per_node} gpu {g % hw.gpus_per_node}: " + ", ".join(actors or ["idle"]))
     lines.append("memory per GPU (GiB, the busiest one):")
     lines += [f"  {k:<32} {v:9.2f}" for k, v in plan.memory]
-    lines.append(f"  {'peak (checkpointed)':<32} {plan.peak_gib:9.2f} of {hw.gpu_memory_gib:g}")
+    lines.append(f"  {'peak':<32} {plan.peak_gib:9.2f} of {hw.gpu_memory_gib:g}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 

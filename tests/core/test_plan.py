@@ -29,7 +29,16 @@ def test_each_recipe_plans_on_its_stated_hardware(recipe, capsys):
     gpu_lines = [line for line in out.splitlines() if line.startswith("  node ")]
     assert len(gpu_lines) == cfg.train.world_size  # colocated: one line per trainer GPU, each with its rank
     assert all(f"trainer rank {i}," in line for i, line in enumerate(gpu_lines))
-    assert "engine 0" in gpu_lines[0] and "peak (checkpointed)" in out
+    assert "engine 0" in gpu_lines[0] and "activations, checkpointed" in out and "  peak " in out
+
+
+def test_the_plan_counts_what_the_recipe_runs_with(capsys):
+    """32k-token trajectories on Qwen3-8B fit 80 GiB only with activation checkpointing: the plan reads
+    the recipe's own train.activation_checkpointing, and without it refuses, naming that key."""
+    rc, out, err = plan(capsys, "--recipe", "qwen3-8b", "train.activation_checkpointing=false")
+    assert rc != 0 and "set train.activation_checkpointing=true" in err
+    rc, out, err = plan(capsys, "--recipe", "qwen3-8b")
+    assert rc == 0 and "activations, checkpointed" in out and "logits, in chunks" in out
 
 
 @pytest.mark.parametrize("memory", ["24", "80"])
