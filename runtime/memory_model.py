@@ -6,9 +6,10 @@ split the way each backend stores them:
 * FSDP2 with bf16 compute over fp32 master weights: fp32 parameters, fp32 gradients and Adam's two fp32
   moments are sharded over every rank (16 bytes / world size per parameter); the bf16 copy of the layers
   being computed is gathered two at a time (one computing, one prefetched).
-* Megatron-core with the distributed optimizer: bf16 parameters and fp32 gradient buffers are local to the
-  rank's shard (dense weights over TP x PP, experts over EP x expert-TP x PP); fp32 main parameters and Adam
-  moments are further sharded over data parallel (6 + 12 / DP bytes per parameter, as Megatron-LM states it).
+* Megatron-core: bf16 parameters and fp32 gradient buffers are local to the rank's shard (dense weights
+  over TP x PP, experts over EP x expert-TP x PP), and so are the trainer's fp32 main parameters and Adam
+  moments (18 bytes per parameter on the rank): trainers/precision.py keeps them whole on every data-parallel
+  rank, since megatron-core's distributed optimizer (6 + 12 / DP) takes CUDA tensors only.
 
 Activations are what backward keeps per token (bf16), at ``train.micro_batch_tokens`` per micro-batch: every
 layer's tensors without activation checkpointing, or each layer's input plus one layer recomputed with it.
@@ -185,8 +186,10 @@ def train_memory(shape: ModelShape, s: Sharding, micro_batch_tokens: int) -> Tra
     if s.backend == "megatron":
         experts = shape.routed_params / (s.ep * s.etp * s.pp)
         expert_dp = max(1, s.world // (s.ep * s.etp * s.pp))
-        # bf16 params, fp32 grad buffer, the distributed optimizer's fp32 main params + Adam moments
-        weights, grads, optim = BF16 * n, 4 * n, 12 * ((n - experts) / s.dp + experts / expert_dp)
+        # bf16 params, fp32 grad buffer, fp32 main params + Adam moments. The trainer keeps its main params
+        # whole on every data-parallel rank (trainers/precision.py: megatron-core's distributed optimizer
+        # takes CUDA tensors only), so they are not divided over DP (no ZeRO-1 yet).
+        weights, grads, optim = BF16 * n, 4 * n, 12 * n
         # Sequence parallel splits every layer's activations over TP. 1F1B keeps PP micro-batches in flight on
         # the first stage, each through layers / PP layers: layers' worth in all.
         act = shape.layers * per_layer / s.tp

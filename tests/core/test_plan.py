@@ -113,12 +113,13 @@ def test_moe_qwen3_30b_a3b_by_hand_under_megatron():
     s = shape("Qwen3-30B-A3B")
     assert s.total_params == layers * attn + router + routed + embed + h
     assert abs(s.total_params / 30.5e9 - 1) < 0.01 and abs(s.active_params / 3.3e9 - 1) < 0.03
-    tp, ep, dp, expert_dp = 2, 8, 8, 2  # 16 ranks: data parallel 16 / TP; experts' data parallel 16 / EP
+    tp, ep = 2, 8
     m = train_memory(s, Sharding("megatron", 16, tp=tp, ep=ep), micro_batch_tokens=16384)
     dense_on_rank = (layers * attn + router + h) / tp + embed / tp
     on_rank = dense_on_rank + routed / ep
     assert m.params_on_rank == pytest.approx(on_rank)
-    optimizer = 12 * (dense_on_rank / dp + routed / ep / expert_dp)  # fp32 main params + two Adam moments
+    # fp32 main params + two Adam moments, whole on every data-parallel rank (the trainer has no ZeRO-1 yet)
+    optimizer = 12 * on_rank
     assert (m.weights, m.gradients, m.optimizer) == pytest.approx((2 * on_rank, 4 * on_rank, optimizer))
     assert s.kv_bytes_per_token(tp=2) == layers * 2 * (4 // 2) * d * 2
 
@@ -152,7 +153,8 @@ def test_parameter_counts_equal_the_transformers_model_of_the_config(arch):
 def test_a_disaggregated_layout_puts_engines_after_the_trainer(capsys):
     rc, out, err = plan(capsys, "--recipe", "qwen3-30b-a3b", "cluster.colocate=false", "cluster.trainer_gpus=1",
                         "cluster.gpus_per_engine=2", "cluster.num_engines=4", "sglang.num_servers=4",
-                        "train.world_size=8", "megatron.expert_parallel=8", "--nodes", "2")
+                        "train.world_size=8", "megatron.expert_parallel=8", "megatron.tensor_parallel=4",
+                        "--nodes", "2")
     assert rc == 0, err
     gpus = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("  node ")]
     assert gpus[:8] == [f"trainer rank {r}" for r in range(8)]
