@@ -184,8 +184,6 @@ def train_memory(shape: ModelShape, s: Sharding, micro_batch_tokens: int) -> Tra
     tokens = micro_batch_tokens / s.cp
     per_layer = shape.activation_bytes_per_token_layer() * tokens
     if s.backend == "megatron":
-        experts = shape.routed_params / (s.ep * s.etp * s.pp)
-        expert_dp = max(1, s.world // (s.ep * s.etp * s.pp))
         # bf16 params, fp32 grad buffer, fp32 main params + Adam moments. The trainer keeps its main params
         # whole on every data-parallel rank (trainers/precision.py: megatron-core's distributed optimizer
         # takes CUDA tensors only), so they are not divided over DP (no ZeRO-1 yet).
