@@ -103,9 +103,11 @@ async def _solve_with_oracle(runner: EpisodeRunner, tasks: list[Any], concurrenc
                     async with runner.episode(task) as (session, sandbox):
                         extra = {"route": getattr(sandbox, "route", None) or {"backend": getattr(sandbox, "name", None)}}
                         solved = await runner.env.oracle_solve(task, sandbox)
-                        extra |= {"solve_exit_code": solved.exit_code, "solve_duration_s": round(solved.duration_s, 3)}
-                        if solved.exit_code != 0:
-                            extra["solve_tail"] = (solved.stdout + solved.stderr)[-2000:]
+                        if solved is not None:  # a script's result (solve.sh); a side-car's oracle returns none
+                            extra |= {"solve_exit_code": solved.exit_code,
+                                      "solve_duration_s": round(solved.duration_s, 3)}
+                            if solved.exit_code != 0:
+                                extra["solve_tail"] = (solved.stdout + solved.stderr)[-2000:]
                         scored = await session.score([])
                         reward, parts = scored.value, dict(scored.parts)
                         details = getattr(session, "result_details", None)

@@ -30,7 +30,7 @@ def plugins(monkeypatch):
         def __init__(self, **kw):
             self.__dict__.update(kw)
 
-    stubs = {"harbor.agents.base": {"BaseAgent": object},
+    stubs = {"harbor.agents.base": {"BaseAgent": object}, "harbor.agents.capabilities": {"AgentCapabilities": dict},
              "harbor.environments.base": {"BaseEnvironment": object, "ExecResult": ExecResult},
              "harbor.models.agent.context": {"AgentContext": object}}
     for name in ("harbor", "harbor.agents", "harbor.environments", "harbor.models", "harbor.models.agent"):
