@@ -78,8 +78,9 @@ class SandboxError(InfraError):
     """The sandbox itself failed (not the command inside it): the episode is retried, never scored 0."""
 
 
-# No PYTHONSAFEPATH: Harbor tests run ``python -m pkg`` from the workdir to import the agent's own code.
-VERIFIER_PYTHON_ENV = {"PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+# PYTHONSAFEPATH: no cwd on sys.path, so a json.py the agent left in its workdir cannot stand in for the
+# stdlib's. A verifier that must import the agent's package from its cwd sets PYTHONSAFEPATH="" in run.env.
+VERIFIER_PYTHON_ENV = {"PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class VerifierRun:
     task's /tests), then ``command``, then the files it wrote into ``output_dir`` read back.
 
     The backend stages the files where the agent cannot have interfered, gives the command a fresh
-    home and /tmp and Python without user site (`VERIFIER_PYTHON_ENV`), and clears ``output_dir`` so nothing the agent forged there survives."""
+    home and /tmp and Python without user site or a script/cwd entry on its import path
+    (`VERIFIER_PYTHON_ENV`), and clears ``output_dir`` so nothing the agent forged there survives."""
 
     command: str
     files: dict[str, bytes]  # absolute path -> content

@@ -130,10 +130,11 @@ class TerminalBenchSession(EnvSession):
     tools = [BASH_TOOL]
 
     def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int,
-                 toolchain: Toolchain | None = None) -> None:
+                 toolchain: Toolchain | None = None, verifier_safe_path: bool = True) -> None:
         self.task, self.sandbox = task, sandbox
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.toolchain = toolchain  # the offline verifier toolchain, mounted for the verifier only
+        self.verifier_safe_path = verifier_safe_path  # False: the verifier's Python keeps its cwd on sys.path
         self.agent_time_s = 0.0  # summed command time, held against the task's [agent] timeout_sec
         self.verifier_result: ExecResult | None = None  # kept for logs and debugging
         self.reward_reason: str | None = None  # why the reward is below 1 (exit code, reward file, output tail)
@@ -179,6 +180,8 @@ class TerminalBenchSession(EnvSession):
             command = f"{self.toolchain.setup_command()}; {command}"
             env = {**self.toolchain.env_vars(), **env}  # the task's own settings win
             host_dirs = self.toolchain.host_dirs()
+        if not self.verifier_safe_path:  # tests that run `python -m pkg` from the workdir (the agent's code)
+            env = {"PYTHONSAFEPATH": "", **env}
         if home:
             env = {"HOME": home, **env}
         return VerifierRun(command=command, files=files, output_dir=REWARD_DIR,
@@ -283,6 +286,9 @@ class TerminalBenchOptions:
     """``env.options`` of terminal-bench (e.g. ``env.options.verifier_toolchain=none``)."""
 
     verifier_toolchain: str = "auto"  # a prepared folder, "auto" (the default one when prepared) or "none"
+    # The verifier's Python without its cwd on sys.path (PYTHONSAFEPATH), so an agent's json.py cannot
+    # pass the tests; false for tasks whose tests import the agent's package from the workdir, as Harbor allows.
+    verifier_safe_path: bool = True
     command_timeout_s: float = 60.0  # one bash call's limit (the task's [agent] timeout bounds the sum)
     max_output_chars: int = 8000  # of a command's output shown to the agent (the middle is cut)
 
@@ -301,7 +307,7 @@ class TerminalBenchEnv(Environment):
     def __init__(self, tasks_dir: str | Path | None = None, *, sandbox: str = "local",
                  sandbox_options: dict[str, Any] | None = None,
                  command_timeout_s: float = 60.0, max_output_chars: int = 8000,
-                 verifier_toolchain: str | Path | None = "auto") -> None:
+                 verifier_toolchain: str | Path | None = "auto", verifier_safe_path: bool = True) -> None:
         """``sandbox`` names the configured backend: with "local", tasks that need their own image are
         left out of `tasks` (see `excluded`) because running them on the host would be wrong; with
         "auto", only when no container engine is reachable (``sandbox_options``: auto's options).
@@ -310,6 +316,7 @@ class TerminalBenchEnv(Environment):
         self.tasks_dir = Path(tasks_dir) if tasks_dir else SHIPPED_TASKS
         self.sandbox, self.sandbox_options = sandbox, dict(sandbox_options or {})
         self.toolchain = _toolchain_for(verifier_toolchain)
+        self.verifier_safe_path = verifier_safe_path
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.harbor_tasks = {t.name: t for t in load_tasks(self.tasks_dir)}
         self._warned = False
@@ -412,7 +419,7 @@ class TerminalBenchEnv(Environment):
             _check(await sandbox.exec("chmod +x -- " + " ".join(shlex.quote(p) for p in executable),
                                       timeout_s=30), "marking environment scripts executable")
         session = TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars,
-                                       toolchain=self.toolchain)
+                                       toolchain=self.toolchain, verifier_safe_path=self.verifier_safe_path)
         if backend == "local":  # a container backend built the RUN steps into its image
             try:
                 steps = await run_setup(t, sandbox)

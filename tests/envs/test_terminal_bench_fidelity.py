@@ -38,9 +38,9 @@ def check(*conditions: str) -> str:
     return CHECK % "\n".join(f"{c} || {{ echo 'FAILED: {c}'; ok=0; }}" for c in conditions)
 
 
-async def oracle_and_noop(tasks_dir: Path, name: str) -> tuple[float, float, str]:
+async def oracle_and_noop(tasks_dir: Path, name: str, **options) -> tuple[float, float, str]:
     """The oracle's reward, the untouched start's reward, and the oracle verifier's output."""
-    env = TerminalBenchEnv(tasks_dir)
+    env = TerminalBenchEnv(tasks_dir, **options)
     task = next(t for t in env.tasks("all") if t.id == name)
     out = []
     for oracle in (True, False):
@@ -91,14 +91,16 @@ def test_env_path_is_expanded_against_the_base_image(tmp_path):
 
 
 def test_a_verifier_imports_the_agents_package_from_the_workdir(tmp_path):
-    """Real tests run ``python3 -m pkg`` from /app to exercise the agent's own code: the verifier's
-    Python must keep its cwd on sys.path, as in Harbor's containers (no PYTHONSAFEPATH)."""
+    """Real tests run ``python3 -m pkg`` from /app to exercise the agent's own code. By default the
+    verifier's Python has no cwd on sys.path (an agent's json.py must not pass the tests), so such a task
+    fails; ``verifier_safe_path=False`` gives it Harbor's behaviour."""
     make_task(tmp_path, "pkg", files={
         "environment/Dockerfile": "FROM python:3.12-slim\nWORKDIR /app\n",
         "solution/solve.sh": ("#!/bin/bash\nmkdir -p reconciler\n"
                               "printf 'print(6 * 7)\\n' > reconciler/__main__.py\n"),
     }, test_sh=check('cd /app', '[ "$(python3 -m reconciler)" = 42 ]'))
-    assert asyncio.run(oracle_and_noop(tmp_path, "pkg"))[:2] == (1.0, 0.0)
+    assert asyncio.run(oracle_and_noop(tmp_path, "pkg"))[:2] == (0.0, 0.0)
+    assert asyncio.run(oracle_and_noop(tmp_path, "pkg", verifier_safe_path=False))[:2] == (1.0, 0.0)
 
 
 @pytest.mark.parametrize("text, env, want", [
