@@ -459,18 +459,8 @@ def load_task(task_dir: str | Path) -> HarborTask:
         verifier_env=_str_map(verifier, "verifier", toml_path),
         solution_env=_str_map(_table(data, "solution", toml_path), "solution", toml_path),
         files=files, container_reasons=tuple(dict.fromkeys(reasons)),
-        workdir_override=_workdir_override(env_section, toml_path),
+        workdir_override=_workdir(env_section, None, None, toml_path),  # [environment] workdir alone
         environment_env=_str_map(env_section, "environment", toml_path))
-
-
-def _workdir_override(env_section: dict[str, Any], where: Path) -> str | None:
-    value = env_section.get("workdir")
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.startswith("/"):
-        raise TaskFormatError(f"{where}: [environment] workdir must be an absolute path such as \"/app\", "
-                              f"got {value!r}")
-    return posixpath.normpath(value)
 
 
 def load_tasks(tasks_dir: str | Path) -> list[HarborTask]:

@@ -40,10 +40,11 @@ def test_chunked_head_matches_the_unchunked_reference_with_gradients(entropy_gra
             assert torch.allclose(a, b, atol=1e-12, rtol=0)
 
 
-def trained(**options: object) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+def trained(trainer: FSDP2Trainer | None = None, **options: object) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """Logprobs before the step and the step's gradients (not Adam's update: lr * g / (|g| + eps) turns
-    float noise on a near-zero gradient into a full-size difference)."""
-    trainer = make_trainer(micro_batch_tokens=64, **options)
+    float noise on a near-zero gradient into a full-size difference), of ``trainer`` or one made with
+    ``options``."""
+    trainer = trainer or make_trainer(micro_batch_tokens=64, **options)
     trajs = make_trajectories(seed=3)
     before = trainer.compute_logprobs(trajs)
     step = trainer.plan_steps(constant_advantages(trajs, ADV))[0]
@@ -88,17 +89,8 @@ def test_the_memory_options_compose_with_bf16_mixed_precision() -> None:
     path, to bf16's resolution (the chunked head multiplies other row blocks, so roundings differ)."""
     def run(**options: object) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
         model, tok = build_tiny("tiny-qwen3", seed=0)
-        trainer = FSDP2Trainer(model.to(torch.bfloat16), tok, TrainConfig(lr=1e-3, micro_batch_tokens=64, **options),
-                               AlgoConfig(entropy_coef=0.01))
-        trajs = make_trajectories(seed=3)
-        before = trainer.compute_logprobs(trajs)
-        step = trainer.plan_steps(constant_advantages(trajs, ADV))[0]
-        trainer.model.train()
-        for _ in trainer._backward_micro_batches(step, False):
-            pass
-        grads = {n: p.grad.full_tensor().clone() for n, p in trainer.model.named_parameters()}
-        trainer.close()
-        return before, grads
+        return trained(FSDP2Trainer(model.to(torch.bfloat16), tok, TrainConfig(lr=1e-3, micro_batch_tokens=64,
+                                                                               **options), AlgoConfig(entropy_coef=0.01)))
 
     a = run(logits_chunk_tokens=0)
     b = run(logits_chunk_tokens=4, activation_checkpointing=True, pack_sequences=True)
