@@ -43,6 +43,9 @@ class EvalReport:
 async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limit: int | None = None,
                    job_dir: str | Path | None = None) -> EvalReport:
     env = build_env(cfg)
+    if policy == "oracle" and getattr(env, "oracle_source", None) == "":  # declared: nothing to play
+        raise UserError(f"--policy oracle on {env.name}: the ecosystem publishes no reference solution to play; "
+                        "use --policy model")
     tasks = env.tasks(split)[:limit] if limit else env.tasks(split)
     engine: Any = None
     make_sandbox = env_sandboxes(cfg, env)

@@ -94,6 +94,7 @@ class VerifiersEnv(ExternalEnvironment):
     requirements: ClassVar[tuple[str, ...]] = ("verifiers==0.4.0", "uv")
     adapter_script = "verifiers_side.py"
     options_type: ClassVar[type] = VerifiersOptions
+    oracle_source: ClassVar[str] = "each task's reference answer, as the model's reply"
 
     def side_config(self) -> dict[str, Any]:  # the shipped example taskset
         if self.given.get("id"):
@@ -109,6 +110,7 @@ class HarborEnv(ExternalEnvironment):
     python = "3.12"  # harbor requires Python >= 3.12
     adapter_script = "harbor_side.py"
     options_type: ClassVar[type] = HarborOptions
+    oracle_source: ClassVar[str] = "Harbor's oracle agent (the task's solution/solve.sh)"
 
     def side_config(self) -> dict[str, Any]:  # the shipped example task folder, our local provider and agent
         return {"tasks_dir": str(ADAPTERS / "examples" / "harbor_tasks"), "max_turns": 3}

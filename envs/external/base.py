@@ -53,6 +53,9 @@ class ExternalEnvironment(Environment):
     adapter_script: ClassVar[str] = ""  # file in envs/external/ run by the side-car
     default_harness: ClassVar[str] = "external"
     options_docs: ClassVar[str] = "docs/ecosystem.md"
+    #: What plays ``--policy oracle``: the ecosystem's own reference solution, served by the side-car's
+    #: ``oracle``; "" for ecosystems that publish none (OpenEnv, HUD), refused before any episode starts.
+    oracle_source: ClassVar[str] = ""
 
     def __init__(self, **config: Any) -> None:
         self.given = config  # env.options (and --tasks): what the user chose, over side_config's defaults

@@ -42,10 +42,6 @@ def _load(path: str):
     return module
 
 
-async def _no_oracle(config: dict, task_id: str) -> dict:
-    raise NotImplementedError("this ecosystem has no reference solution to play; use --policy model")
-
-
 async def _serve(adapter, config: dict, proto) -> None:
     loop = asyncio.get_running_loop()
     lines: asyncio.Queue = asyncio.Queue()
@@ -62,8 +58,9 @@ async def _serve(adapter, config: dict, proto) -> None:
 
     async def handle(req: dict) -> None:
         try:
-            fn = {"tasks": adapter.tasks, "episode": adapter.episode,
-                  "oracle": getattr(adapter, "oracle", _no_oracle)}[req["op"]]
+            if req["op"] not in ("tasks", "episode", "oracle") or not hasattr(adapter, req["op"]):
+                raise LookupError(f"this adapter serves no {req['op']!r} request")  # the parent checks first
+            fn = getattr(adapter, req["op"])
             result = await fn(config, **req.get("args", {}))
             answer({"id": req["id"], "result": result})
         except Exception as e:  # noqa: BLE001 - every failure goes back to the caller, named

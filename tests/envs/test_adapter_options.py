@@ -3,6 +3,8 @@ typed by the environment's `options_type`, refused before anything is built when
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from miles_agent import loop
@@ -81,3 +83,12 @@ def test_an_environment_without_options_type_takes_them_unchecked(monkeypatch):
     assert build_env(load_config(overrides=["env.name=plain", "env.options.level=4"])).level == 4
     with pytest.raises(UserError, match=r"cannot be built with \{'colour': 1\}"):
         build_env(load_config(overrides=["env.name=plain", "env.options.colour=1"]))
+
+
+@pytest.mark.parametrize("env", ["openenv", "hud"])
+def test_oracle_is_refused_in_one_line_where_the_ecosystem_has_none(env):
+    """OpenEnv and HUD publish no reference solutions: `--policy oracle` stops before listing any task."""
+    from miles_agent.evaluate import evaluate
+
+    with pytest.raises(UserError, match=f"--policy oracle on {env}: the ecosystem publishes no reference solution"):
+        asyncio.run(evaluate(load_config("tiny-cpu", [f"env.name={env}"]), policy="oracle"))
