@@ -73,22 +73,28 @@ def test_the_sandbox_container_is_isolated():
 
 
 def test_an_agents_background_process_cannot_forge_the_verdict(monkeypatch):
-    """A setsid loop rewriting reward.txt: it fools a verifier run beside it, and is gone before ours."""
+    """A setsid loop rewriting reward.txt: alive beside a verifier if nothing ends it, gone before ours.
+    Whether the forger wins a race with the reward read is timing (it lost once on a loaded CI machine),
+    so the detector asserts what decides it: the loop still runs after the verifier."""
     from miles_agent.envs.terminal_bench import TerminalBenchEnv
 
-    forge = ("setsid bash -c 'while :; do mkdir -p /logs/verifier; echo 1 > /logs/.r && mv -f /logs/.r "
-             "/logs/verifier/reward.txt; sleep 0.01; done' > /dev/null 2>&1 < /dev/null &")  # atomic: never half-read
+    forge = ("setsid bash -c 'echo $$ > /tmp/.forger; while :; do mkdir -p /logs/verifier; echo 1 > /logs/.r "
+             "&& mv -f /logs/.r /logs/verifier/reward.txt; sleep 0.01; done' > /dev/null 2>&1 < /dev/null &"
+             " sleep 0.2")  # atomic mv: never half-read; the pause lets the loop write its pid
 
-    async def unsolved_with_forger() -> float:
+    async def unsolved_with_forger() -> tuple[float, bool]:
         env = TerminalBenchEnv(sandbox="docker")
         task = next(t for t in env.tasks("all") if t.id == "hello-file")
         async with DockerSandbox(base_url=URL, image=IMAGE) as sb:
             await sb.start(env.sandbox_spec(task))
             session = await env.open(task, sb)
             await session.call_tool("bash", {"command": forge})
-            return (await session.score([])).value
+            reward = (await session.score([])).value
+            # a killed loop may stay a zombie under an init that does not reap: read its state, not kill -0
+            state = await sb.exec("awk '{print $3}' \"/proc/$(cat /tmp/.forger)/stat\"", timeout_s=10)
+            return reward, state.stdout.strip() not in ("", "Z")
 
-    with monkeypatch.context() as m:  # the detector: without ending the agent's processes it wins
+    with monkeypatch.context() as m:  # the detector: without ending the agent's processes the loop lives on
         m.setattr(DockerSandbox, "end_agent_processes", lambda self: asyncio.sleep(0))
-        assert run(unsolved_with_forger()) == 1.0
-    assert run(unsolved_with_forger()) == 0.0
+        assert run(unsolved_with_forger())[1] is True
+    assert run(unsolved_with_forger()) == (0.0, False)
