@@ -255,3 +255,20 @@ def test_a_missing_image_offline_says_how_to_provide_it(tmp_path):
     env = TerminalBenchEnv(tmp_path, sandbox="docker", verifier_toolchain="none")
     with pytest.raises(SandboxError, match=r"absent:0 is not on the engine.*(docker|podman) load"):
         play(env, "absent")
+
+
+def test_a_python_base_task_that_also_runs_locally_opens_in_its_built_image(tmp_path):
+    """A python:* task with only a WORKDIR and a COPY runs locally too, so its staged files include the
+    local sandbox's `python` shim; through docker the image is built instead and open() must not touch them."""
+    write_task(tmp_path, "py-base", dockerfile="FROM python:3.13-slim-bookworm\nWORKDIR /app\nCOPY run.sh /app/run.sh\n",
+               files={"run.sh": b"#!/bin/sh\necho ran > /app/out.txt\n"}, solve_sh="sh /app/run.sh\n",
+               test_sh="""\
+                   #!/bin/bash
+                   mkdir -p /logs/verifier
+                   if grep -q ran /app/out.txt && python --version >/dev/null; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+               """)
+    (tmp_path / "py-base" / "environment" / "run.sh").chmod(0o755)
+    env = TerminalBenchEnv(str(tmp_path), sandbox="docker")
+    assert not env.harbor_task(next(t for t in env.tasks("all") if t.id == "py-base")).needs_container
+    reward, _, solved = play(env, "py-base")
+    assert solved.exit_code == 0 and reward.value == 1.0
