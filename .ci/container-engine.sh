@@ -64,11 +64,37 @@ engine_start() {
   return 1
 }
 
+# Sites whose TLS goes through an intercepting proxy (a corporate CA in the host's bundle):
+# MILES_AGENT_IMAGE_CA=BUNDLE makes the stand-in images trust what the host trusts. BUNDLE replaces their
+# system bundle and pip, requests, curl, uv and node are pointed at it, so a task's `RUN pip install` or a
+# solve.sh's `pip install` reaches the package registry as the host does. Unset: images as Debian ships them.
+CA_BUNDLE="${MILES_AGENT_IMAGE_CA:-}"
+CA_ENV="/etc/ssl/certs/ca-certificates.crt"
+ca_label() { if [ -n "$CA_BUNDLE" ]; then sha256sum "$CA_BUNDLE" | cut -c1-16; fi; }
+ca_current() {  # IMAGE: does it carry the trust asked for (none asked: any image will do)?
+  [ -z "$CA_BUNDLE" ] && return 0
+  [ "$(podman image inspect --format '{{index .Labels "miles.ca"}}' "$1" 2>/dev/null)" = "$(ca_label)" ]
+}
+ca_commit_changes() {  # the --change flags that point every client at the bundle
+  printf '%s\n' --change "LABEL miles.ca=$(ca_label)" --change "ENV SSL_CERT_FILE=$CA_ENV" \
+    --change "ENV PIP_CERT=$CA_ENV" --change "ENV REQUESTS_CA_BUNDLE=$CA_ENV" --change "ENV CURL_CA_BUNDLE=$CA_ENV" \
+    --change "ENV NODE_EXTRA_CA_CERTS=$CA_ENV" --change "ENV UV_NATIVE_TLS=1"
+}
+trust_ca() {  # IMAGE: replace its system bundle with CA_BUNDLE, committed under the same name
+  [ -z "$CA_BUNDLE" ] && return 0
+  local cid changes
+  cid=$(podman create "$1" true)
+  podman cp "$CA_BUNDLE" "$cid:$CA_ENV"
+  mapfile -t changes < <(ca_commit_changes)
+  podman commit --quiet "${changes[@]}" "$cid" "$1" >/dev/null
+  podman rm "$cid" >/dev/null
+}
+
 # make_image SUITE TARBALL-NAME PACKAGES TAG...: one Debian root filesystem, imported once, tagged as named.
 make_image() {
   local suite=$1 name=$2 packages=$3; shift 3
   local first=$1
-  if ! podman image exists "$first"; then
+  if ! podman image exists "$first" || ! ca_current "$first"; then
     if [ ! -s "$IMAGES/$name.tar" ]; then
       echo "container-engine: building $name from Debian $suite (about 70 s, once)" >&2
       mmdebstrap --quiet --variant=minbase --include="$packages" "$suite" "$IMAGES/$name.part.tar"
@@ -77,6 +103,8 @@ make_image() {
     podman import --quiet \
       --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
       --change 'ENV PIP_BREAK_SYSTEM_PACKAGES=1' --change 'CMD ["bash"]' "$IMAGES/$name.tar" "$first" >/dev/null
+    trust_ca "$first"
+    for tag in "$@"; do podman tag "$first" "$tag"; done  # moves tags left on an older import
   fi
   for tag in "$@"; do
     podman image exists "$tag" || podman tag "$first" "$tag"
@@ -108,7 +136,7 @@ engine_images() {
 engine_python312() {
   export CONTAINERS_CONF="$CONF"
   local lib=docker.io/library prefix
-  podman image exists $lib/python:3.12-slim && return 0
+  podman image exists $lib/python:3.12-slim && ca_current $lib/python:3.12-slim && return 0
   prefix=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.* 2>/dev/null | tail -1)
   if [ -z "$prefix" ] || [ ! -x "$prefix/bin/python3.12" ]; then
     echo "container-engine: no CPython 3.12 build here; python:3.12-slim not made" >&2
@@ -139,7 +167,7 @@ engine_python312() {
 engine_tools_image() {
   export CONTAINERS_CONF="$CONF"
   local tag=localhost/miles-agent/task-tools:latest ctx
-  podman image exists $tag && return 0
+  podman image exists $tag && ca_current $tag && return 0
   ctx=$(mktemp -d)
   printf '%s\n' 'FROM localhost/miles-agent/trixie-python3.13:latest' \
     'RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends git jq less file unzip zip xz-utils bc sqlite3 >/dev/null && rm -rf /var/lib/apt/lists/*' \
