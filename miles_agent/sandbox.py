@@ -102,6 +102,9 @@ class VerifierRun:
     # Host folders the verifier sees read-only at the given absolute paths (sandbox path -> host folder),
     # e.g. a provisioned offline toolchain (uv and a wheel cache). The agent never sees them.
     host_dirs: dict[str, str] = field(default_factory=dict)
+    # False: what ran before stays up for the tests (Harbor's semantics). Only for commands as trusted as
+    # the tests (the task's own solve.sh); a policy's leftovers could rewrite the reward file meanwhile.
+    end_agent_processes: bool = True
 
 
 @dataclass
@@ -143,7 +146,8 @@ class Sandbox(ABC):
         machine: its folders are removed and made afresh as root first, and a step that fails because
         of what the agent left is a `setup_error`. A `SandboxError` (the backend itself failed) still
         propagates. The local sandbox overrides it with staging from the host side."""
-        await self.end_agent_processes()
+        if run.end_agent_processes:
+            await self.end_agent_processes()
         dirs = sorted({run.output_dir, *(posixpath.dirname(p) for p in run.files)})
         roots = sorted({"/" + p.strip("/").split("/")[0] for p in [*run.files, run.output_dir]})
         fresh = "/tmp/.miles-verifier"

@@ -51,6 +51,7 @@ and pulls ``build_timeout_s``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import logging
 import os
@@ -251,7 +252,9 @@ class DockerSandbox(RemoteSandbox):
     async def run_verifier(self, run: VerifierRun) -> VerifierResult:
         """The base verifier run, after the agent's processes are gone and ``run.host_dirs`` are copied in
         (each target removed first: whatever the agent left at that path is replaced)."""
-        await self.end_agent_processes()
+        if run.end_agent_processes:
+            await self.end_agent_processes()
+            run = dataclasses.replace(run, end_agent_processes=False)  # done: the base need not repeat it
         if run.host_dirs:
             self._check_running()
             for target, source in sorted(run.host_dirs.items()):

@@ -23,6 +23,8 @@ import json
 import logging
 import math
 import shlex
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -130,8 +132,10 @@ class TerminalBenchSession(EnvSession):
     tools = [BASH_TOOL]
 
     def __init__(self, task: HarborTask, sandbox: Sandbox, command_timeout_s: float, max_output_chars: int,
-                 toolchain: Toolchain | None = None, verifier_safe_path: bool = True) -> None:
+                 toolchain: Toolchain | None = None, verifier_safe_path: bool = True,
+                 played_by_oracle: Callable[[], bool] = lambda: False) -> None:
         self.task, self.sandbox = task, sandbox
+        self.played_by_oracle = played_by_oracle  # the task's own solve.sh ran here: its services stay up
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.toolchain = toolchain  # the offline verifier toolchain, mounted for the verifier only
         self.verifier_safe_path = verifier_safe_path  # False: the verifier's Python keeps its cwd on sys.path
@@ -186,7 +190,7 @@ class TerminalBenchSession(EnvSession):
             env = {"HOME": home, **env}
         return VerifierRun(command=command, files=files, output_dir=REWARD_DIR,
                            outputs=("reward.json", "reward.txt"), timeout_s=self.task.verifier_timeout_s,
-                           env=env, host_dirs=host_dirs)
+                           env=env, host_dirs=host_dirs, end_agent_processes=not self.played_by_oracle())
 
     async def score(self, messages: list[dict[str, Any]]) -> Reward:
         """Run tests/test.sh on the final state (`Sandbox.run_verifier`) and read the reward file it wrote.
@@ -320,6 +324,7 @@ class TerminalBenchEnv(Environment):
         self.command_timeout_s, self.max_output_chars = command_timeout_s, max_output_chars
         self.harbor_tasks = {t.name: t for t in load_tasks(self.tasks_dir)}
         self._warned = False
+        self._oracle_played: weakref.WeakSet[Sandbox] = weakref.WeakSet()  # sandboxes solve.sh ran in
 
     @property
     def excluded(self) -> dict[str, str]:
@@ -414,12 +419,15 @@ class TerminalBenchEnv(Environment):
         backend = (getattr(sandbox, "route", None) or {}).get("backend") or getattr(sandbox, "name", "")
         if t.needs_container and backend == "local":
             raise UserError(f"terminal-bench: {_container_message(t)}")
-        executable = [rel for rel, src in t.files.items() if src.stat().st_mode & 0o111]
+        # Staged files exist only where the spec carried them: a sandbox built from the task's image has its own.
+        from_image = backend != "local" and bool(t.docker_image or (t.path / "environment" / "Dockerfile").is_file())
+        executable = [] if from_image else [rel for rel, src in t.files.items() if src.stat().st_mode & 0o111]
         if executable:
             _check(await sandbox.exec("chmod +x -- " + " ".join(shlex.quote(p) for p in executable),
                                       timeout_s=30), "marking environment scripts executable")
         session = TerminalBenchSession(t, sandbox, self.command_timeout_s, self.max_output_chars,
-                                       toolchain=self.toolchain, verifier_safe_path=self.verifier_safe_path)
+                                       toolchain=self.toolchain, verifier_safe_path=self.verifier_safe_path,
+                                       played_by_oracle=lambda: sandbox in self._oracle_played)
         if backend == "local":  # a container backend built the RUN steps into its image
             try:
                 steps = await run_setup(t, sandbox)
@@ -441,6 +449,7 @@ class TerminalBenchEnv(Environment):
                f"preparing {SOLUTION_DIR}")
         for path, data in _folder_files(t.path / "solution", SOLUTION_DIR, t.path).items():
             await sandbox.write_file(path, data)
+        self._oracle_played.add(sandbox)  # the task author's commands: what they start stays up for the tests
         return await sandbox.exec(f"bash {SOLUTION_DIR}/solve.sh", timeout_s=t.agent_timeout_s,
                                   env=t.solution_env or None)
 

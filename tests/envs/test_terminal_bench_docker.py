@@ -272,3 +272,33 @@ def test_a_python_base_task_that_also_runs_locally_opens_in_its_built_image(tmp_
     assert not env.harbor_task(next(t for t in env.tasks("all") if t.id == "py-base")).needs_container
     reward, _, solved = play(env, "py-base")
     assert solved.exit_code == 0 and reward.value == 1.0
+
+
+SERVICE_TEST_SH = """\
+    #!/bin/bash
+    mkdir -p /logs/verifier
+    if [ "$(cat /tmp/service.out 2>/dev/null)" = up ] && kill -0 "$(cat /tmp/service.pid)" 2>/dev/null \\
+       && [ "$(awk '{print $3}' /proc/$(cat /tmp/service.pid)/stat)" != Z ]; then echo 1; else echo 0; fi \\
+       > /logs/verifier/reward.txt
+"""
+SERVICE_START = "setsid sh -c 'echo $$ > /tmp/service.pid; echo up > /tmp/service.out; exec sleep 600' < /dev/null > /dev/null 2>&1 & sleep 0.3\n"
+
+
+def test_a_service_the_oracle_starts_stays_up_for_the_tests_but_a_policys_is_ended(tmp_path):
+    """Harbor keeps what solve.sh started (tests check a server it launched); the same command from a policy
+    is ended before the verifier (it could rewrite the reward file), unless keep_agent_processes is set."""
+    write_task(tmp_path, "service", dockerfile=f"FROM {IMAGE}\n", solve_sh=SERVICE_START, test_sh=SERVICE_TEST_SH)
+    env = TerminalBenchEnv(str(tmp_path), sandbox="docker")
+    reward, _, solved = play(env, "service")
+    assert solved.exit_code == 0 and reward.value == 1.0
+
+    async def as_policy(**options) -> float:
+        task = next(t for t in env.tasks("all") if t.id == "service")
+        async with DockerSandbox(base_url=URL, image=IMAGE, **options) as sb:
+            await sb.start(env.sandbox_spec(task))
+            session = await env.open(task, sb)
+            await session.call_tool("bash", {"command": SERVICE_START})
+            return (await session.score([])).value
+
+    assert asyncio.run(as_policy()) == 0.0
+    assert asyncio.run(as_policy(keep_agent_processes=True)) == 1.0
