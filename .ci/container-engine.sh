@@ -69,8 +69,10 @@ engine_start() {
 # system bundle and pip, requests, curl, uv and node are pointed at it, so a task's `RUN pip install` or a
 # solve.sh's `pip install` reaches the package registry as the host does. Unset: images as Debian ships them.
 CA_BUNDLE="${MILES_AGENT_IMAGE_CA:-}"
-CA_ENV="/etc/ssl/certs/ca-certificates.crt"
-ca_label() { if [ -n "$CA_BUNDLE" ]; then sha256sum "$CA_BUNDLE" | cut -c1-16; fi; }
+# Kept where update-ca-certificates (run by any apt install that pulls ca-certificates) adds it back into the
+# system bundle it regenerates; the clients' variables point at this copy, which nothing regenerates.
+CA_ENV="/usr/local/share/ca-certificates/miles-host-bundle.crt"
+ca_label() { if [ -n "$CA_BUNDLE" ]; then { sha256sum "$CA_BUNDLE"; echo "$CA_ENV"; } | sha256sum | cut -c1-16; fi; }
 ca_current() {  # IMAGE: does it carry the trust asked for (none asked: any image will do)?
   [ -z "$CA_BUNDLE" ] && return 0
   [ "$(podman image inspect --format '{{index .Labels "miles.ca"}}' "$1" 2>/dev/null)" = "$(ca_label)" ]
@@ -85,6 +87,7 @@ trust_ca() {  # IMAGE: replace its system bundle with CA_BUNDLE, committed under
   local cid changes
   cid=$(podman create "$1" true)
   podman cp "$CA_BUNDLE" "$cid:$CA_ENV"
+  podman cp "$CA_BUNDLE" "$cid:/etc/ssl/certs/ca-certificates.crt"
   mapfile -t changes < <(ca_commit_changes)
   podman commit --quiet "${changes[@]}" "$cid" "$1" >/dev/null
   podman rm "$cid" >/dev/null

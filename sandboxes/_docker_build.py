@@ -2,7 +2,8 @@
 
 Builds. A `ImageBuild` (a Harbor task's environment/ and its Dockerfile) is built through the engine's build
 endpoint and tagged ``miles-agent-build:<hash>``, where the hash covers every file of the context (path, exec
-bit, bytes), the Dockerfile's path and the build args: an unchanged task reuses its image, any edit rebuilds.
+bit, bytes), the Dockerfile's path, the build args and the ids of the images it starts from (FROM, COPY --from):
+an unchanged task on unchanged bases reuses its image; an edit, or a base image replaced or updated, rebuilds.
 Builds of one hash are serialised in this process, and a build that failed is remembered, so the episode
 retries that follow fail at once with the same message instead of rebuilding. A failed build is a
 `ImageBuildError` naming the failing step of the task's Dockerfile and the tail of the build log.
@@ -68,8 +69,39 @@ def context_hash(build: ImageBuild) -> str:
     return digest.hexdigest()
 
 
-def build_tag(build: ImageBuild) -> str:
-    return f"{BUILD_REPO}:{context_hash(build)[:24]}"
+_FROM = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", re.IGNORECASE)
+_COPY_FROM = re.compile(r"^\s*(?:COPY|ADD)\s.*--from=(\S+)", re.IGNORECASE)
+
+
+def base_images(dockerfile: Path) -> list[str]:
+    """The images a Dockerfile starts from or copies out of: FROM and COPY --from names that are not one of
+    its own stages (nor `scratch`), in order. Names holding ${ARG}s are left out: they are resolved at build."""
+    stages: set[str] = set()
+    images: list[str] = []
+    for line in dockerfile.read_text(errors="replace").splitlines():
+        if m := _FROM.match(line):
+            name, alias = m.group(1), m.group(2)
+            if name.lower() not in stages and name != "scratch" and "$" not in name:
+                images.append(name)
+            if alias:
+                stages.add(alias.lower())
+        elif (m := _COPY_FROM.match(line)) and m.group(1).lower() not in stages and not m.group(1).isdigit():
+            images.append(m.group(1))
+    return images
+
+
+def build_tag(build: ImageBuild, base_ids: tuple[str, ...] = ()) -> str:
+    digest = hashlib.sha256(context_hash(build).encode())
+    for base in base_ids:
+        digest.update(f"base {base}\n".encode())
+    return f"{BUILD_REPO}:{digest.hexdigest()[:24]}"
+
+
+def _base_ids(api: Any, build: ImageBuild) -> tuple[str, ...]:
+    dockerfile = Path(build.context) / build.dockerfile
+    if not dockerfile.is_file():
+        return ()
+    return tuple(f"{name}={(image_exists(api, name) or {}).get('Id', 'absent')}" for name in base_images(dockerfile))
 
 
 def _lock(tag: str) -> threading.Lock:
@@ -91,7 +123,7 @@ def image_exists(api: Any, image: str) -> dict | None:
 
 def ensure_built(api: Any, build: ImageBuild, client: Callable[[float], Any], *, timeout_s: float) -> str:
     """The tag of ``build``'s image, built now unless the engine already has it (see the module doc)."""
-    tag = build_tag(build)
+    tag = build_tag(build, _base_ids(api, build))
     with _lock(tag):
         if tag in _failed:
             raise ImageBuildError(_failed[tag])

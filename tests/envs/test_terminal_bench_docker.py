@@ -302,3 +302,33 @@ def test_a_service_the_oracle_starts_stays_up_for_the_tests_but_a_policys_is_end
 
     assert asyncio.run(as_policy()) == 0.0
     assert asyncio.run(as_policy(keep_agent_processes=True)) == 1.0
+
+
+def test_a_task_image_is_rebuilt_when_its_base_image_changes(tmp_path):
+    """The build cache is keyed by the context and by the ids of the bases: a base image replaced under the
+    same name (a newer pull, a re-made stand-in) must not leave the task on the image built from the old one."""
+    api = connect(URL)
+    base = "localhost/miles-agent-test/base:moving"
+    ctx = tmp_path / "base"
+    ctx.mkdir()
+
+    def make_base(mark: str) -> None:
+        (ctx / "Dockerfile").write_text(f"FROM {IMAGE}\nRUN echo {mark} > /base-mark\n")
+        for _ in api.build(path=str(ctx), tag=base, rm=True, decode=True):
+            pass
+
+    write_task(tmp_path / "tasks", "on-base", dockerfile=f"FROM {base}\nWORKDIR /app\n",
+               solve_sh="cp /base-mark /app/seen\n",
+               test_sh="""\
+                   #!/bin/bash
+                   mkdir -p /logs/verifier
+                   [ "$(cat /app/seen)" = new ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+                   """)
+    env = TerminalBenchEnv(tmp_path / "tasks", sandbox="docker", verifier_toolchain="none")
+    try:
+        make_base("old")
+        assert play(env, "on-base")[0].value == 0.0
+        make_base("new")
+        assert play(env, "on-base")[0].value == 1.0
+    finally:
+        api.remove_image(base, force=True)
