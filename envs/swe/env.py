@@ -108,11 +108,14 @@ class SWEEnv(Environment):
     options_type: ClassVar[type] = SWEOptions
     options_docs: ClassVar[str] = "docs/coding.md"
 
-    def __init__(self, instances: str | Path = "", repos: str | Path = "", *, sandbox: str = "local",
-                 sandbox_options: dict[str, Any] | None = None, command_timeout_s: float = 120.0,
-                 max_output_chars: int = 8000, make_sandbox: Any = None) -> None:
-        """``make_sandbox``: a zero-argument factory of fresh sandboxes for scoring (default: the
-        configured backend with its options, as the episodes get)."""
+    def __init__(self, tasks_dir: str | Path | None = None, *, instances: str | Path = "", repos: str | Path = "",
+                 sandbox: str = "local", sandbox_options: dict[str, Any] | None = None,
+                 command_timeout_s: float = 120.0, max_output_chars: int = 8000, make_sandbox: Any = None) -> None:
+        """``tasks_dir`` (``--tasks``): a folder with instances.jsonl and repos/. ``make_sandbox``: a
+        zero-argument factory of fresh sandboxes for scoring (default: the configured backend with its
+        options, as the episodes get)."""
+        if tasks_dir and not instances:
+            instances = Path(tasks_dir) / "instances.jsonl"
         if instances:
             path = Path(instances)
             self.instances = {i.instance_id: i for i in load_instances(path)}

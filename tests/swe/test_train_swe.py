@@ -4,6 +4,8 @@ aci tools fits the token budget the run is given."""
 
 from __future__ import annotations
 
+import pytest
+
 from miles_agent.build import build_env
 from miles_agent.config import load_config
 from miles_agent.engine import SamplingParams
@@ -15,6 +17,7 @@ from miles_agent.tito import ChatRenderer
 OVERRIDES = {"env.name": "swe", "env.max_total_tokens": 3800, "env.max_new_tokens_per_turn": 48}
 
 
+@pytest.mark.slow  # about 2 minutes on 2 shared cores
 def test_swe_trains_two_steps(tmp_path):
     cfg = load_config("tiny-cpu", {**OVERRIDES, "run.steps": 2, "run.run_dir": str(tmp_path), "run.progress": False,
                                    "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2})
