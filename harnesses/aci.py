@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import shlex
 from pathlib import Path
 from typing import Any
 
 from miles_agent.environment import EnvSession, Task, ToolError
-from miles_agent.errors import UserError
 from miles_agent.harnesses.chat_tools import ChatToolsHarness, ToolCall
 from miles_agent.types import Trajectory
 
+log = logging.getLogger(__name__)
 RUNTIME = (Path(__file__).with_name("aci_runtime.py")).read_text()
 INSTRUCTIONS = ("You fix code in a repository with these tools. Look before you edit: view files and search; "
                 "edit by line range or by replacing an exact text; run the tests; call submit when done.")
@@ -37,7 +38,7 @@ def _tool(name: str, description: str, properties: dict[str, Any], required: tup
 
 _S, _I = {"type": "string"}, {"type": "integer"}
 TOOLS = [
-    _tool("view", "Show a file with line numbers (100 lines from start), or list a folder", 
+    _tool("view", "Show a file with line numbers (100 lines from start), or list a folder",
           {"path": _S, "start": _I, "end": _I}, ("path",)),
     _tool("search", "Find a string in a file or under a folder (default: the repository)", {"pattern": _S, "path": _S},
           ("pattern",)),
@@ -67,6 +68,7 @@ def runtime_command(name: str, arguments: dict[str, Any]) -> str:
 class ACIHarness(ChatToolsHarness):
     name = "aci"
     description = "Agent-computer interface for coding: view/search/edit (lint-checked)/run_tests/submit over bash."
+    _warned = False
 
     def prompt_tools(self, session: EnvSession) -> list[dict[str, Any]] | None:
         return TOOLS
@@ -86,9 +88,10 @@ class ACIHarness(ChatToolsHarness):
         return calls, errors
 
     async def run(self, task: Task, session: EnvSession, policy: Any) -> list[Trajectory]:
-        if not any(t.get("function", {}).get("name") == "bash" for t in session.tools):
-            raise UserError("the aci harness runs its commands through the environment's bash tool, and this "
-                            "environment has none; use it with swe or terminal-bench")
+        if not any(t.get("function", {}).get("name") == "bash" for t in session.tools) and not self._warned:
+            self._warned = True  # every call will then be an error the model sees; the episode still runs
+            log.warning("the aci harness runs its commands through the environment's bash tool, and this "
+                        "environment has none; use it with swe or terminal-bench")
         return await super().run(task, session, policy)
 
     async def _call(self, session: EnvSession, call: ToolCall, traj: Trajectory) -> str:
