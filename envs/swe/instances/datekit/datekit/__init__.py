@@ -1,0 +1,1 @@
+"""Calendar and duration helpers."""
