@@ -12,6 +12,7 @@ record of a submitted form, a saved setting -- per the task's OSWorld-style eval
 from __future__ import annotations
 
 import logging
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -100,6 +101,9 @@ class DesktopSession(EnvSession):
 
     async def _result_text(self, result: dict[str, Any]) -> str:
         if result["type"] == "vm_file":
+            # A missing file is the agent's failure (""), on every backend (they word it differently).
+            if (await self.sandbox.exec(f"test -f {shlex.quote(result['path'])}", timeout_s=60)).exit_code != 0:
+                return ""
             try:
                 return (await self.sandbox.read_file(result["path"])).decode(errors="replace")
             except (FileNotFoundError, IsADirectoryError, PermissionError):
