@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles_agent.types import ImageInput, TrajectoryError
+
 _SENTINEL = "\u2063MILES_SENTINEL\u2063"
 
 
@@ -89,6 +91,24 @@ class ChatRenderer:
         if idx < 0:
             raise NotAppendOnly("the chat template does not render assistant content verbatim")
         return text[idx + len(_SENTINEL):]
+
+
+def image_inputs(ids: list[int], token_id: int, pngs: list[bytes], offset: int = 0) -> list[ImageInput]:
+    """The runs of ``token_id`` in ``ids`` (a render whose image pads the processor already expanded), one per
+    PNG in order, as `ImageInput`s at ``offset`` + their position: the ids are kept as encoded, never re-split."""
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == token_id:
+            j = i
+            while j < len(ids) and ids[j] == token_id:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    if len(runs) != len(pngs):
+        raise TrajectoryError(f"{len(runs)} image placeholder runs in the ids for {len(pngs)} images")
+    return [ImageInput(offset + a, offset + b, token_id, png) for (a, b), png in zip(runs, pngs)]
 
 
 def _after(before: str, sampled_text: str) -> str:

@@ -12,14 +12,20 @@ Invariants (checked by `Trajectory.validate`):
 * ``routed_experts``, when present, is int32 shaped ``(len(tokens) - 1, layers, top_k)``, as SGLang
   returns it: the routing of every token that went through the model (the last sampled token never
   did).
+* ``images``: each image the model sees (a screenshot) is stored beside the ids as its PNG bytes, and
+  ``tokens[start:end]`` hold its placeholder tokens (one id, what the processor expands the image to),
+  never re-tokenized, never sampled (loss mask 0); the PNG's size and digest match what was stored.
 
 The module imports nothing heavier than numpy so that environment workers can use it without torch.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
+import hashlib
 import math
+import struct
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +68,44 @@ class TrajectoryError(ValueError):
     """A trajectory breaks a TITO invariant; the message names which one."""
 
 
+def png_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG's IHDR, None if ``data`` is not a PNG."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        return None
+    return struct.unpack(">II", data[16:24])
+
+
+@dataclass
+class ImageInput:
+    """An image input: ``tokens[start:end]`` are its placeholder ids (all ``token_id``), ``data`` its PNG."""
+
+    start: int
+    end: int
+    token_id: int
+    data: bytes = field(repr=False)
+    width: int = 0  # 0: read from the PNG
+    height: int = 0
+    sha256: str = ""  # "" = computed now; a stored digest lets validate() catch a swapped or damaged image
+
+    def __post_init__(self) -> None:
+        if not (self.width and self.height):
+            self.width, self.height = png_size(self.data) or (0, 0)
+        self.sha256 = self.sha256 or hashlib.sha256(self.data).hexdigest()
+
+    def shifted(self, offset: int) -> ImageInput:
+        return ImageInput(self.start + offset, self.end + offset, self.token_id, self.data, self.width,
+                          self.height, self.sha256)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "token_id": self.token_id, "width": self.width,
+                "height": self.height, "sha256": self.sha256, "png": base64.b64encode(self.data).decode()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ImageInput:
+        return cls(d["start"], d["end"], d["token_id"], base64.b64decode(d["png"]), d["width"], d["height"],
+                   d["sha256"])
+
+
 @dataclass
 class Trajectory:
     prompt_ids: list[int]
@@ -79,6 +123,7 @@ class Trajectory:
     # Trajectories of one rollout (branches of one episode) share it: one sample in group statistics.
     episode_id: str = ""  # "" = this trajectory's own uid
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: list[ImageInput] = field(default_factory=list)  # image inputs, in token order (prompt or observations)
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -123,8 +168,10 @@ class Trajectory:
         """The weight version of each model span, in order."""
         return [s.weight_version for s in self.spans if s.kind is SpanKind.MODEL and s.weight_version is not None]
 
-    def append_observation(self, ids: list[int], turn: int) -> None:
-        """Append tokens the model did not sample (tool output, template turn markers)."""
+    def append_observation(self, ids: list[int], turn: int, images: tuple[ImageInput, ...] | list[ImageInput] = ()) -> None:
+        """Append tokens the model did not sample (tool output, template turn markers); ``images`` have
+        their placeholder spans relative to ``ids``."""
+        self.images.extend(im.shifted(len(self.tokens)) for im in images)
         start = self.response_length
         self.tokens.extend(ids)
         self.loss_mask.extend([0] * len(ids))
@@ -177,9 +224,25 @@ class Trajectory:
             if re.ndim != 3 or re.shape[0] != len(self.tokens) - 1:
                 raise TrajectoryError(
                     f"routed_experts shape {re.shape}, expected ({len(self.tokens) - 1}, layers, top_k)")
+        self._validate_images(n_prompt, sampled)
         if self.status in (Status.COMPLETED, Status.TRUNCATED) and self.reward is None:
             raise TrajectoryError(f"a {self.status.value} trajectory must carry a reward")
         return self
+
+    def _validate_images(self, n_prompt: int, sampled: list[bool]) -> None:
+        cursor = 0
+        for k, im in enumerate(self.images):
+            if not cursor <= im.start < im.end <= len(self.tokens):
+                raise TrajectoryError(f"image {k}: placeholder span [{im.start}, {im.end}) is out of order or "
+                                      f"outside the {len(self.tokens)} tokens")
+            cursor = im.end
+            if any(t != im.token_id for t in self.tokens[im.start:im.end]):
+                raise TrajectoryError(f"image {k}: tokens[{im.start}:{im.end}] are not all its placeholder id {im.token_id}")
+            if any(sampled[max(im.start - n_prompt, 0):max(im.end - n_prompt, 0)]):
+                raise TrajectoryError(f"image {k}: its placeholder span overlaps tokens the model sampled")
+            if png_size(im.data) != (im.width, im.height) or hashlib.sha256(im.data).hexdigest() != im.sha256:
+                raise TrajectoryError(f"image {k}: the stored PNG is not the {im.width}x{im.height} image its "
+                                      "span was made for (size or sha256 differ)")
 
     # -- serialization (rollout dumps, Ray transfer) -----------------------------------------------
     def to_dict(self, arrays: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
@@ -199,6 +262,7 @@ class Trajectory:
             "routed_experts": routing,
             "reward": self.reward, "reward_parts": self.reward_parts, "status": self.status.value,
             "metadata": self.metadata,
+            **({"images": [im.to_dict() for im in self.images]} if self.images else {}),
         }
 
     @classmethod
@@ -217,4 +281,5 @@ class Trajectory:
             task_id=d.get("task_id", ""), group_id=d.get("group_id", ""), uid=d["uid"],
             episode_id=d["episode_id"],
             metadata=dict(d.get("metadata", {})),
+            images=[ImageInput.from_dict(im) for im in d.get("images", ())],
         )
