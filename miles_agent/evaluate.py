@@ -71,7 +71,8 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
     else:
         raise UserError(f"unknown --policy {policy!r}; use 'model' or 'oracle'")
     try:
-        runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
+        runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox,
+                                reward_out_of_range=cfg.env.reward_out_of_range)
         trajs = await collect(runner, tasks, 1, pol, cfg.rollout.concurrency)
     finally:
         if engine is not None:
@@ -87,7 +88,8 @@ async def score_policy(cfg: Config, env: Any, tokenizer: Any, policy: Any, tasks
                        make_sandbox: Any = None) -> dict[str, float]:
     """Each task played once by ``policy`` through the configured harness: the rollout metrics
     (``reward_mean``, ``episodes``, ``failed`` ...), for ``run.eval_every``."""
-    runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
+    runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox,
+                           reward_out_of_range=cfg.env.reward_out_of_range)
     return rollout_metrics(await collect(runner, tasks, 1, policy, cfg.rollout.concurrency))
 
 

@@ -35,7 +35,14 @@ from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner
 from miles_agent.rollout.routing_capture import RoutingCapture
-from miles_agent.run_state import capture_rng, latest_checkpoint, restore_rng, write_checkpoint
+from miles_agent.run_state import (
+    Interrupted,
+    StopSignals,
+    capture_rng,
+    latest_checkpoint,
+    restore_rng,
+    write_checkpoint,
+)
 from miles_agent.scheduling import RolloutScheduler, TaskSampler
 from miles_agent.sinks import build_sinks
 from miles_agent.types import Status
@@ -71,7 +78,8 @@ class Run:
         self.engines = self.cluster.engines(engine_model, self.tokenizer)
         self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
         self.transport = self.cluster.transport(self.trainer, self.engines)
-        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox)
+        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox,
+                                    reward_out_of_range=cfg.env.reward_out_of_range)
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
         # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
@@ -107,6 +115,7 @@ class Run:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
             self._resync_version = None
         self.scheduler.on_episode_done = progress.episode_done if progress else None
+        stop = StopSignals()  # SIGINT / SIGTERM: the step in progress ends, is saved, and the run stops
         try:
             while self.step < cfg.run.steps:
                 record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
@@ -154,9 +163,12 @@ class Run:
                 if progress:
                     progress.step_done(record, summary_line(record))
                 every = cfg.run.checkpoint_every
-                if (every and self.step % every == 0) or self.step == cfg.run.steps:
-                    self.save_checkpoint()
+                if (every and self.step % every == 0) or self.step == cfg.run.steps or stop.requested:
+                    path = self.save_checkpoint()
+                if stop.requested and self.step < cfg.run.steps:
+                    raise Interrupted(self.step, path)
         finally:
+            stop.remove()
             await self.scheduler.close()
         self.trainer.save_hf(self.run_dir / "final")
         return records

@@ -3,11 +3,38 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
+from miles_agent.errors import UserError
 from miles_agent.types import Status, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file a crash may have cut short: a torn last line (what a kill mid-write
+    leaves) is dropped with a warning; a bad line before it is an error naming the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if any(rest.strip() for rest in lines[n:]):
+                raise UserError(f"{path} line {n} is not JSON; was the file edited by hand? Remove the line "
+                                "to go on") from None
+            log.warning("%s: its last line (%d) is torn, as a crash mid-write leaves it; reading the %d "
+                        "whole records before it", path, n, len(out))
+    return out
 
 
 def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
@@ -51,9 +78,7 @@ class MetricsLog:
             f.write(json.dumps(record, default=float) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_jsonl(self.path)
 
 
 def summary_line(r: dict[str, Any]) -> str:

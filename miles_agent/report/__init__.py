@@ -46,14 +46,9 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; point `miles-agent report` at a run directory "
                         "(the train command's --run-dir)")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"{path} line {n} is not JSON; was the file edited by hand?") from None
-    return records
+    from miles_agent.metrics import read_jsonl
+
+    return read_jsonl(path)  # a torn last line (a crash mid-write) is dropped, with a warning
 
 
 def _summary(run_dir: Path, records: list[dict[str, Any]]) -> str:
