@@ -68,6 +68,23 @@ def build_tiny(arch: str, seed: int = 0, dtype: str = "float32"):  # noqa: ANN20
     return model.eval(), tokenizer
 
 
+def check_safetensors(path: Path) -> None:
+    """A truncated or corrupt .safetensors file is a UserError naming it, not a deserializer traceback:
+    its header must parse and its tensors must end exactly where the file does."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        header, end = None, -1
+    if header is None or 8 + n + end != size:
+        raise UserError(f"{path} is truncated or corrupt ({size} bytes; its header "
+                        f"{'does not parse' if header is None else f'promises {8 + n + end}'}); "
+                        "re-copy or re-save the checkpoint, or resume from an earlier one")
+
+
 def load_hf(path: str | Path, dtype: str = "float32"):  # noqa: ANN201
     """(model, tokenizer) from an HF-format folder; a clear error when the folder is not one."""
     import torch
@@ -90,6 +107,8 @@ def load_hf(path: str | Path, dtype: str = "float32"):  # noqa: ANN201
         tokenizer = AutoTokenizer.from_pretrained(p)
     except (OSError, ValueError) as e:
         raise UserError(f"{p} has no usable tokenizer ({e}); save the tokenizer with the model") from None
+    for f in sorted(p.glob("*.safetensors")):
+        check_safetensors(f)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype))
     if arch is None:
         model.config.architectures = [type(model).__name__]
