@@ -151,8 +151,8 @@ def _row(task_id: str, reward: float | None, parts: dict[str, float], error: str
     elif reward is None or reward < 1:
         named = [p for p in FAILURE_PARTS if parts.get(p)]
         tail = (extra.get("verifier_tail") or "").strip().splitlines()
-        code = extra.get("verifier_exit_code")
-        reason = "; ".join(filter(None, [", ".join(named), extra.get("reward_reason")])) or (f"tests failed (verifier exit {code}): {tail[-1][:200] if tail else 'no output'}"
+        code = extra.get("verifier_exit_code", parts.get("verifier_exit_code"))  # the model policy: in the parts
+        reason = "; ".join(filter(None, [", ".join(named), extra.get("reward_reason")])) or (f"tests failed (verifier exit {int(code)}): {tail[-1][:200] if tail else 'no output'}"
                                       if code is not None else f"reward {reward}")
         if extra.get("solve_exit_code"):
             reason = f"solve.sh exited {extra['solve_exit_code']}; {reason}"
