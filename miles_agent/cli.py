@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
+import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", help="where metrics.jsonl, checkpoints and the final model go")
     t.add_argument("--steps", type=int)
     t.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
-    t.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir (its metrics, "
-                   "checkpoints and final model); without it a new run there is refused")
+    t.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir (else refused)")
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--ray-address", help="run engines and trainer ranks as actors on this Ray cluster "
                    "('auto' or host:port; sets cluster.mode=ray)")
@@ -100,25 +102,22 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     check_choices(cfg)  # bad input fails before --overwrite removes anything
-    check_run_dir(Path(cfg.run.run_dir), args.resume, args.overwrite)
+    args.resume = check_run_dir(Path(cfg.run.run_dir), args.resume, args.overwrite)
     try:
         return _train(args, cfg)
     except Interrupted as e:
         print(f"miles-agent: {e}; resume with:\n  {resume_command(args)}", file=sys.stderr)
         return 130
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second signal: the step in progress is lost, earlier checkpoints are not
         latest = Path(cfg.run.run_dir) / "checkpoints" / "latest"
-        saved = f"the last checkpoint is {latest.parent / latest.read_text().strip()}; resume with:\n  " \
-            f"{resume_command(args)}" if latest.is_file() else \
-            "no checkpoint was saved (run.checkpoint_every=N saves every N steps)"
-        print(f"miles-agent: aborted mid-step; {saved}", file=sys.stderr)
+        print("miles-agent: aborted mid-step; " + (f"resume from {latest.parent / latest.read_text().strip()} with:\n  "
+              f"{resume_command(args)}" if latest.is_file() else "no checkpoint was saved (run.checkpoint_every=N "
+              "saves every N steps)"), file=sys.stderr)
         return 130
 
 
 def resume_command(args: argparse.Namespace) -> str:
     """The command line that continues this run: the same one, with --resume and without --overwrite."""
-    import shlex
-
     argv = [a for a in args.argv if a != "--overwrite"]
     return "miles-agent " + shlex.join(argv if "--resume" in argv else [*argv[:1], "--resume", *argv[1:]])
 
@@ -205,8 +204,6 @@ BROKEN_PIPE_EXIT = 141
 
 def cmd_sandbox_exec(args: argparse.Namespace) -> int:
     """Run one command in a fresh sandbox, print its output, and exit with its exit code."""
-    import shlex
-
     from miles_agent.registry import load
     from miles_agent.sandbox import SandboxError, SandboxLimits, SandboxSpec
 
@@ -305,11 +302,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """argparse, except that an override between options (argparse's "unrecognized arguments") is
-    answered with the rule and the command line corrected."""
-    import re
-    import shlex
-
+    """argparse; an override between options ("unrecognized arguments") gets the rule and the fixed line."""
     args, extra = parser.parse_known_args(argv)
     is_override = re.compile(r"^[A-Za-z_]\w*\.[\w.]+=").match
     if extra and all(is_override(a) for a in extra):
@@ -358,14 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         print("miles-agent: interrupted", file=sys.stderr)
         return 130
     except OSError as e:
-        import errno
-
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        where = getattr(args, "run_dir", None) or e.filename or "the output folder"
-        print(f"miles-agent: error: no space left on the device writing {e.filename or where}; free space "
-              f"there (or pick another --run-dir) and rerun, with --resume to continue from the last checkpoint",
-              file=sys.stderr)
+        print(f"miles-agent: error: no space left on the device writing {e.filename or 'the run directory'}; free "
+              "space there (or pick another --run-dir) and rerun, with --resume to continue from the last "
+              "checkpoint", file=sys.stderr)
         return 28
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from miles_agent import run_state
 from miles_agent.build import build_env, build_harness, check_choices, env_sandboxes
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
@@ -35,14 +36,7 @@ from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner
 from miles_agent.rollout.routing_capture import RoutingCapture
-from miles_agent.run_state import (
-    Interrupted,
-    StopSignals,
-    capture_rng,
-    latest_checkpoint,
-    restore_rng,
-    write_checkpoint,
-)
+from miles_agent.run_state import capture_rng, latest_checkpoint, restore_rng, write_checkpoint
 from miles_agent.scheduling import RolloutScheduler, TaskSampler
 from miles_agent.sinks import build_sinks
 from miles_agent.types import Status
@@ -115,7 +109,7 @@ class Run:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
             self._resync_version = None
         self.scheduler.on_episode_done = progress.episode_done if progress else None
-        stop = StopSignals()  # SIGINT / SIGTERM: the step in progress ends, is saved, and the run stops
+        stop = run_state.StopSignals()  # SIGINT / SIGTERM: the step in progress ends, is saved, and the run stops
         try:
             while self.step < cfg.run.steps:
                 record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
@@ -166,7 +160,7 @@ class Run:
                 if (every and self.step % every == 0) or self.step == cfg.run.steps or stop.requested:
                     path = self.save_checkpoint()
                 if stop.requested and self.step < cfg.run.steps:
-                    raise Interrupted(self.step, path)
+                    raise run_state.Interrupted(self.step, path)
         finally:
             stop.remove()
             await self.scheduler.close()

@@ -11,28 +11,18 @@ from typing import Any
 from miles_agent.errors import UserError
 from miles_agent.types import Status, Trajectory
 
-log = logging.getLogger(__name__)
-
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSONL file a crash may have cut short: a torn last line (what a kill mid-write
-    leaves) is dropped with a warning; a bad line before it is an error naming the line."""
-    path = Path(path)
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return []
+    """A JSONL file's records; a torn last line (a kill mid-write) is dropped with a warning, a bad one before it refused."""
+    lines = Path(path).read_text(errors="replace").splitlines() if Path(path).is_file() else []
     out = []
     for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
         try:
-            out.append(json.loads(line))
+            out += [json.loads(line)] if line.strip() else []
         except ValueError:
             if any(rest.strip() for rest in lines[n:]):
-                raise UserError(f"{path} line {n} is not JSON; was the file edited by hand? Remove the line "
-                                "to go on") from None
-            log.warning("%s: its last line (%d) is torn, as a crash mid-write leaves it; reading the %d "
+                raise UserError(f"{path} line {n} is not JSON; was the file edited by hand? Remove it to go on") from None
+            logging.getLogger(__name__).warning("%s: its last line (%d) is torn, as a crash mid-write leaves it; reading the %d "
                         "whole records before it", path, n, len(out))
     return out
 

@@ -10,8 +10,8 @@ Layout of ``<run_dir>/checkpoints``::
 
 ``step_N`` is built as ``step_N.tmp`` and renamed into place, then ``latest`` is rewritten by rename,
 so a crash at any moment leaves ``latest`` naming a whole checkpoint (NeMo-RL #3599). The rollout
-A resume checks the manifest and falls back to the newest intact step (a truncated shard, a torn
-JSON file, ``latest`` naming a step that is gone), saying which and why. The rollout
+A resume checks the manifest and falls back to the newest intact step (a truncated shard, a torn JSON
+file, ``latest`` naming a step that is gone), saying which and why. The rollout
 engine's sampling RNG is not saved because it holds none worth saving: every request's seed is derived
 from its place in the task stream (see `miles_agent.rollout.episode_policy`).
 """
@@ -25,6 +25,9 @@ import os
 import random
 import re
 import shutil
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -88,25 +91,20 @@ def check_checkpoint(path: Path) -> str | None:
     """Why the checkpoint at ``path`` cannot be resumed from, or None when it is whole."""
     if not path.is_dir():
         return "missing"
-    try:
-        json.loads((path / LOOP_STATE).read_text())
-    except FileNotFoundError:
-        return f"no {LOOP_STATE}"
-    except (ValueError, UnicodeDecodeError):
-        return f"{LOOP_STATE} is truncated or corrupt"
-    if not (path / MANIFEST).is_file():
-        return None  # written before manifests: nothing more to check
-    try:
-        files = json.loads((path / MANIFEST).read_text())
-    except (ValueError, UnicodeDecodeError):
-        return f"{MANIFEST} is truncated or corrupt"
+    for name in (LOOP_STATE, MANIFEST):
+        if name == MANIFEST and not (path / name).exists():
+            return None  # written before manifests: nothing more to check
+        try:
+            files = json.loads((path / name).read_text())
+        except FileNotFoundError:
+            return f"no {name}"
+        except (ValueError, UnicodeDecodeError):
+            return f"{name} is truncated or corrupt"
     for name, (size, sha) in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} is truncated ({f.stat().st_size} of {size} bytes)"
-        if _digest(f)[1] != sha:
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have != size:
+            return f"{name} is {'missing' if have is None else f'truncated ({have} of {size} bytes)'}"
+        if _digest(path / name)[1] != sha:
             return f"{name} is corrupt (its checksum differs from the one saved)"
     return None
 
@@ -117,11 +115,9 @@ def latest_checkpoint(ckpt_root: Path) -> tuple[Path, dict[str, Any]]:
     steps = sorted((int(m.group(1)), p) for p in ckpt_root.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name)))
     if not latest.is_file() and not steps:
         raise UserError(f"--resume: no checkpoint in {ckpt_root}; run without --resume to start fresh")
-    named = latest.read_text().strip() if latest.is_file() else ""
-    m = re.fullmatch(r"step_(\d+)", named)
-    below = int(m.group(1)) if m else None
-    candidates = [ckpt_root / named] if m else []
-    candidates += [p for n, p in reversed(steps) if below is None or n < below]
+    m = re.fullmatch(r"step_(\d+)", latest.read_text().strip() if latest.is_file() else "")
+    candidates = [ckpt_root / m.group(0)] if m else []  # then the steps before it, newest first
+    candidates += [p for n, p in reversed(steps) if not m or n < int(m.group(1))]
     problems = []
     for path in candidates:
         why = check_checkpoint(path)
@@ -133,19 +129,21 @@ def latest_checkpoint(ckpt_root: Path) -> tuple[Path, dict[str, Any]]:
     raise UserError(f"--resume: no intact checkpoint in {ckpt_root} ({'; '.join(problems) or 'latest is empty'}); "
                     "run without --resume (and with --overwrite) to start fresh")
 
-
-# -- the run directory and stopping --------------------------------------------------------------
-
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """A new run never replaces an old one's metrics, checkpoints or final model unless asked to."""
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> bool:
+    """A new run never replaces an old one's metrics, checkpoints or final model unless asked to. Returns
+    whether to resume: a run stopped before its first checkpoint starts again from step 0, said."""
     held = [name for name in ("metrics.jsonl", "checkpoints", "final") if (run_dir / name).exists()]
+    if resume and (run_dir / "config.json").is_file() and not list(run_dir.glob("checkpoints/step_*[0-9]")):
+        log.warning("--resume: %s has no checkpoint yet; starting the run from step 0", run_dir)
+        return False
     if resume or not held:
-        return
+        return resume
     if not overwrite:
         raise UserError(f"{run_dir} already holds a run ({', '.join(held)}); pass --resume to continue it, "
                         "--overwrite to replace it, or choose another --run-dir")
     for name in ("checkpoints", "final"):  # a later --resume must not pick up the old run's checkpoint
         shutil.rmtree(run_dir / name, ignore_errors=True)
+    return False
 
 
 class Interrupted(Exception):
@@ -160,23 +158,12 @@ class StopSignals:
     """The first SIGINT / SIGTERM asks the loop to stop after the step in progress (``requested``);
     a second one aborts at once (KeyboardInterrupt). Only in the main thread; ``remove`` restores."""
 
-    SIGNALS = ("SIGINT", "SIGTERM")
-
     def __init__(self) -> None:
-        import signal
-        import threading
-
         self.requested: str | None = None
-        self._old: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                sig = getattr(signal, name)
-                self._old[sig] = signal.signal(sig, self._on_signal)
+        main = threading.current_thread() is threading.main_thread()
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM) if main}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        import signal
-        import sys
-
         if self.requested:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
@@ -184,8 +171,6 @@ class StopSignals:
               "(send it again to abort without saving)", file=sys.stderr, flush=True)
 
     def remove(self) -> None:
-        import signal
-
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}

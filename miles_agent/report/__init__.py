@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_agent.errors import UserError, require
+from miles_agent.evaluate import FAILURE_PARTS
+from miles_agent.metrics import read_jsonl
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 1400px; color: #222; }
@@ -46,8 +48,6 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; point `miles-agent report` at a run directory "
                         "(the train command's --run-dir)")
-    from miles_agent.metrics import read_jsonl
-
     return read_jsonl(path)  # a torn last line (a crash mid-write) is dropped, with a warning
 
 
@@ -73,10 +73,8 @@ def _summary(run_dir: Path, records: list[dict[str, Any]]) -> str:
 
 
 def zero_reasons(records: list[dict[str, Any]]) -> str:
-    """The verifier-side reasons the run's rewards carried (reward parts such as verifier_timed_out), and
-    the episodes refused for a reward outside the environment's range."""
-    from miles_agent.evaluate import FAILURE_PARTS
-
+    """The verifier-side reasons of rewards below 1 (parts such as verifier_timed_out), and the episodes
+    refused for a reward outside the environment's range."""
     shares = {p: [float(r.get(f"reward/{p}", 0.0)) for r in records] for p in (*FAILURE_PARTS, "reward_clipped")}
     out = [f"{p} {sum(v) / len(records):.1%}" for p, v in shares.items() if any(v)]
     refused = max((float(r.get("episode_reward_out_of_range", 0)) for r in records), default=0.0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -89,18 +90,13 @@ class EpisodeRunner:
         """Why the episode is refused (a reward outside the env's range, or NaN), after clipping if so set."""
         low, high = getattr(self.env, "reward_range", (0.0, 1.0))
         bad = [t for t in trajs if t.reward is not None and not low <= float(t.reward) <= high]
-        if not bad:
-            return None
-        self.stats.reward_out_of_range += 1
-        value = float(bad[0].reward)
-        if self.reward_out_of_range == "clip" and value == value:  # NaN cannot be clipped
+        self.stats.reward_out_of_range += bool(bad)
+        if bad and self.reward_out_of_range == "clip" and not any(math.isnan(t.reward) for t in bad):
             for t in bad:
-                t.reward = min(max(float(t.reward), low), high)
-                t.reward_parts["reward_clipped"] = 1.0
+                t.reward, t.reward_parts["reward_clipped"] = min(max(float(t.reward), low), high), 1.0
             return None
-        return (f"reward {value:g} outside the environment's reward_range [{low:g}, {high:g}]; refused "
-                "(env.reward_out_of_range=clip clips it instead)" if value == value else
-                "reward NaN: the verifier gave no number; refused")
+        return None if not bad else f"reward {bad[0].reward:g} outside the environment's reward_range [{low:g}, " \
+            f"{high:g}]; refused (env.reward_out_of_range=clip clips it; NaN is always refused)"
 
     def _give_up(self, task: Task, group_id: str, status: Status, error: str) -> Trajectory:
         if status is Status.ABORTED:

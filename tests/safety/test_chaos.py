@@ -27,7 +27,8 @@ VOLATILE = ("time/", "rollout_tokens_per_s")  # wall-clock measurements, differe
 def _start(run_dir: Path, resume: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "miles_agent.cli", "train", "--run-dir", str(run_dir), *(["--resume"] * resume), *ARGS]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    log = (run_dir.parent / f"{run_dir.name}.log").open("a")  # a file: a pipe nobody reads could block the run
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def _logged(run_dir: Path) -> int:
@@ -45,9 +46,9 @@ def _stable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
 
 
-def _finish(proc: subprocess.Popen) -> None:
-    _, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err[-3000:]
+def _finish(proc: subprocess.Popen, run_dir: Path) -> None:
+    proc.wait(timeout=900)
+    assert proc.returncode == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-3000:]
 
 
 def chaos_run(run_dir: Path, seed: int = SEED, kills: int = KILLS) -> list[tuple[int, float]]:
@@ -55,8 +56,8 @@ def chaos_run(run_dir: Path, seed: int = SEED, kills: int = KILLS) -> list[tuple
     rng = random.Random(seed)
     points = sorted(rng.sample(range(STEPS), kills))  # kill once this many steps are logged (then a delay)
     done = []
-    for i, after in enumerate(points):
-        proc = _start(run_dir, resume=i > 0)
+    for after in points:
+        proc = _start(run_dir, resume=(run_dir / "config.json").is_file())  # as a user would, once a run is there
         delay = rng.uniform(0.0, 1.2)  # a step takes about a second: any phase of it
         deadline = time.monotonic() + 300
         while _logged(run_dir) < after and proc.poll() is None and time.monotonic() < deadline:
@@ -66,14 +67,14 @@ def chaos_run(run_dir: Path, seed: int = SEED, kills: int = KILLS) -> list[tuple
             proc.send_signal(signal.SIGKILL)
         proc.wait()
         done.append((after, round(delay, 3)))
-    _finish(_start(run_dir, resume=True))
+    _finish(_start(run_dir, resume=True), run_dir)
     return done
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_run_killed_ten_times_ends_with_the_metrics_of_an_uninterrupted_one(tmp_path):
-    _finish(_start(tmp_path / "clean", resume=False))
+    _finish(_start(tmp_path / "clean", resume=False), tmp_path / "clean")
     points = chaos_run(tmp_path / "chaos")
     clean, chaos = _records(tmp_path / "clean"), _records(tmp_path / "chaos")
     assert [r["step"] for r in chaos] == list(range(STEPS)), points  # nothing lost, nothing duplicated

@@ -88,10 +88,10 @@ def test_a_truncated_safetensors_file_is_named_not_deserialized(tmp_path):
     save_file({"w": torch.ones(64, 64)}, str(path))
     check_safetensors(path)
     _truncate(path)
-    with pytest.raises(UserError, match="model.safetensors is truncated or corrupt .*promises"):
+    with pytest.raises(UserError, match="model.safetensors is truncated or corrupt"):
         check_safetensors(path)
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    with pytest.raises(UserError, match="does not parse"):
+    with pytest.raises(UserError, match="truncated or corrupt .*header"):
         check_safetensors(path)
 
 

@@ -37,6 +37,15 @@ def test_overwrite_removes_the_old_checkpoints_so_a_later_resume_cannot_pick_the
     assert not (run / "checkpoints").exists() and not (run / "final").exists()
 
 
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(tmp_path, caplog):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')  # logged, then killed before the checkpoint
+    assert check_run_dir(run, resume=True, overwrite=False) is False and "no checkpoint yet" in caplog.text
+    assert check_run_dir(_old_run(tmp_path / "b"), resume=True, overwrite=False) is True
+
+
 def test_the_cli_refuses_before_loading_a_model(tmp_path, capsys):
     run = _old_run(tmp_path)
     code = cli.main(["train", "--env", "arith-tools", "--run-dir", str(run), "run.steps=2"])
