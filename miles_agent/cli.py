@@ -109,10 +109,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"miles-agent: {e}; resume with:\n  {resume_command(args)}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:  # a second signal: the step in progress is lost, earlier checkpoints are not
-        latest = Path(cfg.run.run_dir) / "checkpoints" / "latest"
-        print("miles-agent: aborted mid-step; " + (f"resume from {latest.parent / latest.read_text().strip()} with:\n  "
-              f"{resume_command(args)}" if latest.is_file() else "no checkpoint was saved (run.checkpoint_every=N "
-              "saves every N steps)"), file=sys.stderr)
+        saved = (Path(cfg.run.run_dir) / "checkpoints" / "latest").is_file()
+        print("miles-agent: aborted mid-step; " + (f"resume from the last checkpoint with:\n  {resume_command(args)}"
+              if saved else "no checkpoint was saved (run.checkpoint_every=N saves every N steps)"), file=sys.stderr)
         return 130
 
 

@@ -120,8 +120,7 @@ def latest_checkpoint(ckpt_root: Path) -> tuple[Path, dict[str, Any]]:
     candidates += [p for n, p in reversed(steps) if not m or n < int(m.group(1))]
     problems = []
     for path in candidates:
-        why = check_checkpoint(path)
-        if why is None:
+        if (why := check_checkpoint(path)) is None:
             if problems:
                 log.warning("--resume: %s; resuming from %s instead", "; ".join(problems), path)
             return path, json.loads((path / LOOP_STATE).read_text())
@@ -130,8 +129,7 @@ def latest_checkpoint(ckpt_root: Path) -> tuple[Path, dict[str, Any]]:
                     "run without --resume (and with --overwrite) to start fresh")
 
 def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> bool:
-    """A new run never replaces an old one's metrics, checkpoints or final model unless asked to. Returns
-    whether to resume: a run stopped before its first checkpoint starts again from step 0, said."""
+    """Whether to resume; an old run is never replaced unless asked, one stopped before its first checkpoint restarts."""
     held = [name for name in ("metrics.jsonl", "checkpoints", "final") if (run_dir / name).exists()]
     if resume and (run_dir / "config.json").is_file() and not list(run_dir.glob("checkpoints/step_*[0-9]")):
         log.warning("--resume: %s has no checkpoint yet; starting the run from step 0", run_dir)
@@ -155,8 +153,7 @@ class Interrupted(Exception):
 
 
 class StopSignals:
-    """The first SIGINT / SIGTERM asks the loop to stop after the step in progress (``requested``);
-    a second one aborts at once (KeyboardInterrupt). Only in the main thread; ``remove`` restores."""
+    """SIGINT / SIGTERM once: stop after this step (``requested``); twice: abort now. Main thread only."""
 
     def __init__(self) -> None:
         self.requested: str | None = None
@@ -167,10 +164,9 @@ class StopSignals:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
-        print(f"\nmiles-agent: {self.requested}: finishing this step, then saving a checkpoint "
-              "(send it again to abort without saving)", file=sys.stderr, flush=True)
+        print(f"\nmiles-agent: {self.requested}: finishing this step, then saving a checkpoint (send it again "
+              "to abort without saving)", file=sys.stderr, flush=True)
 
     def remove(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
-        self._old = {}

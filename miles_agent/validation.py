@@ -59,8 +59,7 @@ RANGES: dict[str, Range] = {
 
 def numbers(value: Any) -> list[float]:
     """The numbers in a field's value (a tuple field such as betas: each one); [] for anything else."""
-    items = value if isinstance(value, tuple) else (value,)
-    return [float(v) for v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return [float(v) for v in (value if isinstance(value, tuple) else (value,)) if type(v) in (int, float)]
 
 
 def check_values(cfg: Any) -> None:
@@ -76,9 +75,7 @@ def check_values(cfg: Any) -> None:
 
 
 def _message(key: str, value: Any, rng: Range, default: Any) -> str:
-    def show(v: Any) -> str:
-        return f"[{', '.join(f'{x:g}' for x in v)}]" if isinstance(v, tuple) else f"{v:g}" if isinstance(v, float) else str(v)
-
+    show = lambda v: f"[{', '.join(f'{x:g}' for x in v)}]" if isinstance(v, tuple) else f"{v:g}"  # noqa: E731
     fix = f"set e.g. {key}={show(default)} (the default)" if numbers(default) and all(
         rng.holds(v) for v in numbers(default)) else f"set {key} in range"
     return f"{key}={show(value)} is out of range: it must be {rng.describe()}{f' ({rng.what})' if rng.what else ''}; {fix}"
@@ -86,8 +83,7 @@ def _message(key: str, value: Any, rng: Range, default: Any) -> str:
 
 def _check_pairs(cfg: Any) -> None:
     if cfg.env.reward_out_of_range not in ("refuse", "clip"):
-        raise UserError(f"env.reward_out_of_range={cfg.env.reward_out_of_range!r}: choose refuse (the episode is "
-                        "not trained on) or clip (the reward is clipped into the environment's range)")
+        raise UserError(f"env.reward_out_of_range={cfg.env.reward_out_of_range!r}: choose refuse or clip")
     if (algo := cfg.algo).mismatch_low > algo.mismatch_high:
         raise UserError(f"algo.mismatch_low={algo.mismatch_low:g} is above algo.mismatch_high="
                         f"{algo.mismatch_high:g}; the trust range is [low, high], so set low <= high")
