@@ -150,7 +150,7 @@ async def soak(concurrency: int, seconds: float, sample_s: float) -> dict:
             samples.append((time.monotonic() - start, rss_mib(), fds(), len(descendants(os.getpid())), done))
             print(f"t={samples[-1][0]:6.1f}s  rss {samples[-1][1]:7.1f} MiB  fds {samples[-1][2]:5d}  "
                   f"children {samples[-1][3]:5d}  episodes {done}", flush=True)
-            await asyncio.sleep(sample_s)
+            await asyncio.sleep(max(min(sample_s, end - time.monotonic()), 0))
 
     await asyncio.gather(sampler(), *(worker(i) for i in range(concurrency)))
     return {"episodes": done, "reward_mean": rewards / max(done, 1), "failed": runner.stats.failed,
