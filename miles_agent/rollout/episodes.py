@@ -46,7 +46,8 @@ class EpisodeStats:
 
     def as_metrics(self) -> dict[str, float]:
         return {"episode_retries": float(self.retries), "episode_aborted": float(self.aborted),
-                "episode_failed": float(self.failed), "episode_reward_out_of_range": float(self.reward_out_of_range)}
+                "episode_failed": float(self.failed),
+                **({"episode_reward_out_of_range": float(self.reward_out_of_range)} if self.reward_out_of_range else {})}
 
 
 @dataclass
