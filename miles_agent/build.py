@@ -34,7 +34,9 @@ def check_choices(cfg: Config) -> None:
     from miles_agent.components import offload_enabled
     from miles_agent.scheduling import check_config as check_scheduling
     from miles_agent.sinks import parse_sinks
+    from miles_agent.validation import check_values
 
+    check_values(cfg)  # every number in its range (miles_agent/validation.py)
     check_device(cfg.model.device)
     check_scheduling(cfg.rollout)
     check_estimator(cfg.algo, cfg.rollout.samples_per_prompt)

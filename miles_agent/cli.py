@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
+import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", help="where metrics.jsonl, checkpoints and the final model go")
     t.add_argument("--steps", type=int)
     t.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir (else refused)")
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--ray-address", help="run engines and trainer ranks as actors on this Ray cluster "
                    "('auto' or host:port; sets cluster.mode=ray)")
@@ -93,10 +97,34 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from miles_agent.build import check_choices
+    from miles_agent.run_state import Interrupted, check_run_dir
+
+    cfg = _config(args)
+    check_choices(cfg)  # bad input fails before --overwrite removes anything
+    args.resume = check_run_dir(Path(cfg.run.run_dir), args.resume, args.overwrite)
+    try:
+        return _train(args, cfg)
+    except Interrupted as e:
+        print(f"miles-agent: {e}; resume with:\n  {resume_command(args)}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # a second signal: the step in progress is lost, earlier checkpoints are not
+        saved = (Path(cfg.run.run_dir) / "checkpoints" / "latest").is_file()
+        print("miles-agent: aborted mid-step; " + (f"resume from the last checkpoint with:\n  {resume_command(args)}"
+              if saved else "no checkpoint was saved (run.checkpoint_every=N saves every N steps)"), file=sys.stderr)
+        return 130
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this run: the same one, with --resume and without --overwrite."""
+    argv = [a for a in args.argv if a != "--overwrite"]
+    return "miles-agent " + shlex.join(argv if "--resume" in argv else [*argv[:1], "--resume", *argv[1:]])
+
+
+def _train(args: argparse.Namespace, cfg: Any) -> int:
     from miles_agent.loop import train
     from miles_agent.progress import Progress, generated_tokens
 
-    cfg = _config(args)
     enabled = cfg.run.progress and not args.no_progress
     records = train(cfg, resume=args.resume,
                     progress=lambda run: Progress(cfg.run.steps, start=run.step, enabled=enabled,
@@ -175,8 +203,6 @@ BROKEN_PIPE_EXIT = 141
 
 def cmd_sandbox_exec(args: argparse.Namespace) -> int:
     """Run one command in a fresh sandbox, print its output, and exit with its exit code."""
-    import shlex
-
     from miles_agent.registry import load
     from miles_agent.sandbox import SandboxError, SandboxLimits, SandboxSpec
 
@@ -274,6 +300,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """argparse; an override between options ("unrecognized arguments") gets the rule and the fixed line."""
+    args, extra = parser.parse_known_args(argv)
+    is_override = re.compile(r"^[A-Za-z_]\w*\.[\w.]+=").match
+    if extra and all(is_override(a) for a in extra):
+        fixed = [a for a in argv if not is_override(a)] + [a for a in argv if is_override(a)]
+        parser.exit(2, f"miles-agent: error: overrides (section.key=value) go after all the options; "
+                       f"{' '.join(extra)} came between options. Run:\n  miles-agent {shlex.join(fixed)}\n")
+    return parser.parse_args(argv) if extra else args
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -284,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     from miles_agent.server_flags import split_sglang_flags
 
     argv, sglang_flags = split_sglang_flags(argv) if command_after_dashes is None else (argv, {})
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
+    args.argv = argv
     args.sglang_server_args = sglang_flags  # --sglang-<arg> flags: SGLang server arguments, verbatim
     if command_after_dashes is not None:
         args.cmd = command_after_dashes
@@ -311,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("miles-agent: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"miles-agent: error: no space left on the device writing {e.filename or 'the run directory'}; free "
+              "space there (or pick another --run-dir) and rerun, with --resume to continue from the last "
+              "checkpoint", file=sys.stderr)
+        return 28
 
 
 if __name__ == "__main__":  # pragma: no cover

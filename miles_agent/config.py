@@ -145,6 +145,7 @@ class EnvConfig:
     max_observation_tokens: int = 256
     agent: str = ""  # black-box harness: the agent command, or module:function of an async agent
     agent_timeout_s: float = 600.0  # black-box harness: the agent's wall-clock limit per episode
+    reward_out_of_range: str = "refuse"  # a reward outside the env's reward_range: refuse (not trained) | clip
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_agent.errors import UserError
+from miles_agent.metrics import read_jsonl
 from miles_agent.types import Status, Trajectory
 
 ROLLOUTS_DIR = "rollouts"
@@ -112,9 +113,8 @@ class RolloutRecorder:
             for old in (self.run_dir / ROLLOUTS_DIR).glob("step_*.jsonl"):
                 old.unlink()
         if self.samples_path.exists():  # a resumed run redoes the steps after its checkpoint
-            kept = [line for line in self.samples_path.read_text().splitlines(keepends=True)
-                    if line.strip() and json.loads(line).get("step", 0) < start_step]
-            self.samples_path.write_text("".join(kept))
+            kept = [r for r in read_jsonl(self.samples_path) if r.get("step", 0) < start_step]
+            self.samples_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def record(self, step: int, trajs: list[Trajectory], trained: list[Trajectory],
                advantages: list[list[float]]) -> Path | None:
@@ -139,7 +139,7 @@ def read_samples(run_dir: Path) -> list[dict[str, Any]]:
     run_dir = Path(run_dir)
     path = run_dir / SAMPLES_FILE
     if path.is_file():
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_jsonl(path)
     out = []
     if (run_dir / ROLLOUTS_DIR).is_dir():
         for step in list_steps(run_dir):

@@ -66,6 +66,9 @@ class Environment(ABC):
     #: The type of ``env.options`` (a dataclass whose fields are constructor keywords), checked before any
     #: model loads; None: the options reach the constructor unchecked.
     options_type: ClassVar[type | None] = None
+    #: The rewards the verifier can give, [low, high]; one outside is counted and refused or clipped
+    #: (``env.reward_out_of_range``) before it reaches the advantages. (-inf, inf): unbounded.
+    reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
     @abstractmethod
     def tasks(self, split: str = "train") -> list[Task]: ...

@@ -71,7 +71,8 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
     else:
         raise UserError(f"unknown --policy {policy!r}; use 'model' or 'oracle'")
     try:
-        runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
+        runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox,
+                                reward_out_of_range=cfg.env.reward_out_of_range)
         trajs = await collect(runner, tasks, 1, pol, cfg.rollout.concurrency)
     finally:
         if engine is not None:
@@ -87,7 +88,8 @@ async def score_policy(cfg: Config, env: Any, tokenizer: Any, policy: Any, tasks
                        make_sandbox: Any = None) -> dict[str, float]:
     """Each task played once by ``policy`` through the configured harness: the rollout metrics
     (``reward_mean``, ``episodes``, ``failed`` ...), for ``run.eval_every``."""
-    runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox)
+    runner = EpisodeRunner(env, build_harness(cfg, env, tokenizer), make_sandbox=make_sandbox,
+                           reward_out_of_range=cfg.env.reward_out_of_range)
     return rollout_metrics(await collect(runner, tasks, 1, policy, cfg.rollout.concurrency))
 
 
@@ -149,8 +151,8 @@ def _row(task_id: str, reward: float | None, parts: dict[str, float], error: str
     elif reward is None or reward < 1:
         named = [p for p in FAILURE_PARTS if parts.get(p)]
         tail = (extra.get("verifier_tail") or "").strip().splitlines()
-        code = extra.get("verifier_exit_code")
-        reason = "; ".join(filter(None, [", ".join(named), extra.get("reward_reason")])) or (f"tests failed (verifier exit {code}): {tail[-1][:200] if tail else 'no output'}"
+        code = extra.get("verifier_exit_code", parts.get("verifier_exit_code"))  # the model policy: in the parts
+        reason = "; ".join(filter(None, [", ".join(named), extra.get("reward_reason")])) or (f"tests failed (verifier exit {int(code)}): {tail[-1][:200] if tail else 'no output'}"
                                       if code is not None else f"reward {reward}")
         if extra.get("solve_exit_code"):
             reason = f"solve.sh exited {extra['solve_exit_code']}; {reason}"

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from miles_agent import run_state
 from miles_agent.build import build_env, build_harness, check_choices, env_sandboxes
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
@@ -71,7 +72,8 @@ class Run:
         self.engines = self.cluster.engines(engine_model, self.tokenizer)
         self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
         self.transport = self.cluster.transport(self.trainer, self.engines)
-        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox)
+        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox,
+                                    reward_out_of_range=cfg.env.reward_out_of_range)
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
         # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
@@ -107,6 +109,7 @@ class Run:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
             self._resync_version = None
         self.scheduler.on_episode_done = progress.episode_done if progress else None
+        stop = run_state.StopSignals()  # SIGINT / SIGTERM: the step in progress ends, is saved, and the run stops
         try:
             while self.step < cfg.run.steps:
                 record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
@@ -154,9 +157,12 @@ class Run:
                 if progress:
                     progress.step_done(record, summary_line(record))
                 every = cfg.run.checkpoint_every
-                if (every and self.step % every == 0) or self.step == cfg.run.steps:
-                    self.save_checkpoint()
+                if (every and self.step % every == 0) or self.step == cfg.run.steps or stop.requested:
+                    path = self.save_checkpoint()
+                if stop.requested and self.step < cfg.run.steps:
+                    raise run_state.Interrupted(self.step, path)
         finally:
+            stop.remove()
             await self.scheduler.close()
         self.trainer.save_hf(self.run_dir / "final")
         return records

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
+from miles_agent.errors import UserError
 from miles_agent.types import Status, Trajectory
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """A JSONL file's records; a torn last line (a kill mid-write) is dropped with a warning, a bad one before it refused."""
+    lines = Path(path).read_text(errors="replace").splitlines() if Path(path).is_file() else []
+    out = []
+    for n, line in enumerate(lines, 1):
+        try:
+            out += [json.loads(line)] if line.strip() else []
+        except ValueError:
+            if any(rest.strip() for rest in lines[n:]):
+                raise UserError(f"{path} line {n} is not JSON; was the file edited by hand? Remove it to go on") from None
+            logging.getLogger(__name__).warning("%s: its last line (%d) is torn, as a crash mid-write leaves it; reading the %d "
+                        "whole records before it", path, n, len(out))
+    return out
 
 
 def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
@@ -51,9 +68,7 @@ class MetricsLog:
             f.write(json.dumps(record, default=float) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_jsonl(self.path)
 
 
 def summary_line(r: dict[str, Any]) -> str:

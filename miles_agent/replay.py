@@ -17,6 +17,7 @@ from typing import Any
 
 from miles_agent.dumps import dumps_folder, list_steps, read_step, step_path
 from miles_agent.errors import UserError
+from miles_agent.metrics import read_jsonl
 
 
 def _flatten(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def replay(run_dir: Path, rollouts: Path | None = None, first: int | None = None
             trainer.load_checkpoint(ckpt)
         original = {}
         if (run_dir / "metrics.jsonl").is_file():
-            original = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+            original = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
         out = []
         for step in wanted:
             trajs, advantages = read_step(step_path(folder, step)).train_batch()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -79,7 +80,12 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
                         "save_checkpoint")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a truncated shard: whatever the reader trips on
+        last = [line for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
+        raise UserError(f"trainer checkpoint {path} cannot be read ({last[0].strip()[:200]}); a shard "
+                        "is truncated or corrupt -- delete this step's folder to resume from an earlier one") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = path / f"rng_rank{rank}.pt"
     if rng.is_file():

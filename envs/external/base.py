@@ -10,6 +10,7 @@ and the package's own verifier returns the reward that `score` then reports.
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -56,6 +57,7 @@ class ExternalEnvironment(Environment):
     #: What plays ``--policy oracle``: the ecosystem's own reference solution, served by the side-car's
     #: ``oracle``; "" for ecosystems that publish none (OpenEnv, HUD), refused before any episode starts.
     oracle_source: ClassVar[str] = ""
+    reward_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)  # the ecosystems bound none
 
     def __init__(self, **config: Any) -> None:
         self.given = config  # env.options (and --tasks): what the user chose, over side_config's defaults

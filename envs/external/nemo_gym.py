@@ -31,6 +31,7 @@ NeMo Gym response.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -200,6 +201,7 @@ class NemoGymEnv(Environment):
     default_harness: ClassVar[str] = "chat-tools"
     options_type: ClassVar[type] = NemoGymOptions
     options_docs: ClassVar[str] = "docs/ecosystem.md"
+    reward_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)  # a resources server's verify bounds none
 
     def __init__(self, url: str = "", tasks: str = "", tasks_dir: str | None = None, config: str = "",
                  split: str = "", timeout_s: float = 60.0) -> None:

@@ -314,7 +314,11 @@ def _read_instruction(task_dir: Path) -> str:
     path = task_dir / "instruction.md"
     if not path.is_file():
         raise TaskFormatError(f"{path} is missing; write the task's prompt for the agent there")
-    text = path.read_text(encoding="utf-8").strip()
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise TaskFormatError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                              "save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     if not text:
         raise TaskFormatError(f"{path} is empty; write the task's prompt for the agent there")
     return text

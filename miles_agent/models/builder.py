@@ -68,6 +68,18 @@ def build_tiny(arch: str, seed: int = 0, dtype: str = "float32"):  # noqa: ANN20
     return model.eval(), tokenizer
 
 
+def check_safetensors(path: Path) -> None:
+    """A truncated or corrupt .safetensors file is a UserError naming it, not a deserializer traceback."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):  # checks that the header parses and covers the file
+            pass
+    except Exception as e:  # noqa: BLE001 - SafetensorError, or an OSError on a header past the file's end
+        raise UserError(f"{path} is truncated or corrupt ({e}); re-copy or re-save the checkpoint, or resume "
+                        "from an earlier one") from None
+
+
 def load_hf(path: str | Path, dtype: str = "float32"):  # noqa: ANN201
     """(model, tokenizer) from an HF-format folder; a clear error when the folder is not one."""
     import torch
@@ -90,6 +102,8 @@ def load_hf(path: str | Path, dtype: str = "float32"):  # noqa: ANN201
         tokenizer = AutoTokenizer.from_pretrained(p)
     except (OSError, ValueError) as e:
         raise UserError(f"{p} has no usable tokenizer ({e}); save the tokenizer with the model") from None
+    for f in sorted(p.glob("*.safetensors")):
+        check_safetensors(f)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype))
     if arch is None:
         model.config.architectures = [type(model).__name__]

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_agent.errors import UserError, require
+from miles_agent.evaluate import FAILURE_PARTS
+from miles_agent.metrics import read_jsonl
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 1400px; color: #222; }
@@ -46,14 +48,7 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; point `miles-agent report` at a run directory "
                         "(the train command's --run-dir)")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"{path} line {n} is not JSON; was the file edited by hand?") from None
-    return records
+    return read_jsonl(path)  # a torn last line (a crash mid-write) is dropped, with a warning
 
 
 def _summary(run_dir: Path, records: list[dict[str, Any]]) -> str:
@@ -68,11 +63,22 @@ def _summary(run_dir: Path, records: list[dict[str, Any]]) -> str:
     rewards = [r["reward_mean"] for r in records if isinstance(r.get("reward_mean"), (int, float))]
     if rewards:
         rows.append(("reward, first → last step", f"{rewards[0]:.3f} → {rewards[-1]:.3f}"))
+    if zeros := zero_reasons(records):
+        rows.append(("rewards below 1, why (share of scored episodes, run mean)", zeros))
     total = sum(float(r.get("time/step", 0.0)) for r in records)
     if total:
         rows.append(("time in steps", f"{total:.1f} s"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     return f"<table>{body}</table>"
+
+
+def zero_reasons(records: list[dict[str, Any]]) -> str:
+    """The verifier-side reasons of rewards below 1 (parts such as verifier_timed_out), and the episodes
+    refused for a reward outside the environment's range."""
+    shares = {p: [float(r.get(f"reward/{p}", 0.0)) for r in records] for p in (*FAILURE_PARTS, "reward_clipped")}
+    out = [f"{p} {sum(v) / len(records):.1%}" for p, v in shares.items() if any(v)]
+    refused = max((float(r.get("episode_reward_out_of_range", 0)) for r in records), default=0.0)
+    return ", ".join(out + ([f"reward out of range: {refused:.0f} episodes"] if refused else []))
 
 
 def _last_step_table(records: list[dict[str, Any]]) -> str:

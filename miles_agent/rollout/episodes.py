@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -40,11 +41,13 @@ class EpisodeStats:
     failed: int = 0  # episodes that failed for a task reason (not retried)
     sandbox_errors: int = 0  # attempts lost to a sandbox failure (each one retried or aborted)
     aborts: int = 0  # attempts whose generation the engine aborted
+    reward_out_of_range: int = 0  # episodes whose reward was outside the environment's reward_range
     errors: list[str] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
         return {"episode_retries": float(self.retries), "episode_aborted": float(self.aborted),
-                "episode_failed": float(self.failed)}
+                "episode_failed": float(self.failed),
+                **({"episode_reward_out_of_range": float(self.reward_out_of_range)} if self.reward_out_of_range else {})}
 
 
 @dataclass
@@ -54,6 +57,7 @@ class EpisodeRunner:
     make_sandbox: Callable[[], Sandbox] | None = None
     max_retries: int = 3
     stats: EpisodeStats = field(default_factory=EpisodeStats)
+    reward_out_of_range: str = "refuse"  # env.reward_out_of_range: refuse | clip
 
     async def run(self, task: Task, policy: Policy, group_id: str) -> list[Trajectory]:
         """Play one episode to a scored trajectory, re-queueing it after infrastructure failures."""
@@ -71,6 +75,8 @@ class EpisodeRunner:
                 return [self._give_up(task, group_id, Status.FAILED, f"task: {type(e).__name__}: {e}")]
             else:
                 if all(t.status is not Status.ABORTED for t in trajs):
+                    if (bad := self._out_of_range(trajs)) is not None:
+                        return [self._give_up(task, group_id, Status.FAILED, bad)]
                     for t in trajs:  # branches of one episode: one sample in the group statistics
                         t.group_id, t.episode_id = group_id, trajs[0].uid
                         t.metadata["attempts"] = attempt + 1
@@ -80,6 +86,18 @@ class EpisodeRunner:
             self.stats.retries += 1
             log.info("episode %s attempt %d failed (%s); retrying", task.id, attempt + 1, last_error)
         return [self._give_up(task, group_id, Status.ABORTED, last_error)]
+
+    def _out_of_range(self, trajs: list[Trajectory]) -> str | None:
+        """Why the episode is refused (a reward outside the env's range, or NaN), after clipping if so set."""
+        low, high = getattr(self.env, "reward_range", (0.0, 1.0))
+        bad = [t for t in trajs if t.reward is not None and not low <= float(t.reward) <= high]
+        self.stats.reward_out_of_range += bool(bad)
+        if bad and self.reward_out_of_range == "clip" and not any(math.isnan(t.reward) for t in bad):
+            for t in bad:
+                t.reward, t.reward_parts["reward_clipped"] = min(max(float(t.reward), low), high), 1.0
+            return None
+        return None if not bad else f"reward {bad[0].reward:g} outside the environment's reward_range [{low:g}, " \
+            f"{high:g}]; refused (env.reward_out_of_range=clip clips it; NaN is always refused)"
 
     def _give_up(self, task: Task, group_id: str, status: Status, error: str) -> Trajectory:
         if status is Status.ABORTED:
