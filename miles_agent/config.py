@@ -58,6 +58,11 @@ class RolloutConfig:
     stale: str = "recycle"  # a sample past max_staleness: recycle (re-run with newer weights) | drop
     max_recycles: int = 3  # recycle: re-runs of one stale sample before it is dropped (stale_gave_up)
     partial_rollout: str = "keep"  # episodes in flight at an async weight update: keep | abort | retract
+    # User code by dotted path (docs/extensions.md): a group filter (as DAPO's, same round budget), a
+    # filter of the batch before training, and a function that replaces episode generation for a step.
+    group_filter: str = ""  # module:fn(group) -> bool
+    buffer_filter: str = ""  # module:fn(trajectories) -> list[Trajectory]
+    function: str = ""  # module:async fn(ctx) -> list[Trajectory]
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,11 @@ class AlgoConfig:
     distill_mode: str = "reward"  # reward: reverse KL in per-token advantages | loss: a loss term
     distill_coef: float = 1.0  # weight of the reverse-KL signal
     distill_task_coef: float = 1.0  # weight of the task reward's advantage beside it; 0 = pure distillation
+    loss_mask_filter: str = ""  # module:fn(trajectory) -> bool | list[int], ANDed into the loss mask
+    # Turn-level credit (docs/algorithms.md): turn rewards from reward_parts "turn_reward/<k>", discounted.
+    turn_discount: float = 1.0  # per turn; 1.0 with no turn rewards = the plain per-sample estimator
+    overlong: str = "keep"  # truncated trajectories (a length limit cut them): keep | mask | downweight
+    overlong_weight: float = 0.5  # overlong=downweight: their advantages are multiplied by this
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,14 @@ class EnvConfig:
     max_observation_tokens: int = 256
     agent: str = ""  # black-box harness: the agent command, or module:function of an async agent
     agent_timeout_s: float = 600.0  # black-box harness: the agent's wall-clock limit per episode
+    # Rewards from user code (docs/extensions.md), sync or async; the env's own reward is kept in
+    # reward_parts["env_reward"] when one replaces it.
+    reward: str = ""  # module:fn(task, messages, env_reward) -> float | Reward, per episode
+    group_reward: str = ""  # module:fn(task, responses, trajectories) -> list[float], per group
+    reward_post: str = ""  # module:fn(rewards, trajectories) -> list[float], on the whole batch
+    # Several environments in one run (envs/mix): "arith-tools:0.7,dataset:0.3" (name:weight); each
+    # one's options under env.options.<name>.<key>. "" = env.name alone.
+    mix: str = ""
 
 
 @dataclass(frozen=True)
@@ -159,6 +177,7 @@ class RunConfig:
     wandb_project: str = "miles-agent"
     dump_rollouts: int = 0  # write every N-th step's trajectories to RUN_DIR/rollouts/ (0 = never)
     log_samples: int = 2  # trajectories per step kept in RUN_DIR/samples.jsonl for `miles-agent report`
+    hooks: str = ""  # module:obj[,module2:obj2] with on_run_start / after_rollout / ... (docs/extensions.md)
 
 
 @dataclass(frozen=True)
