@@ -45,7 +45,7 @@ def check_choices(cfg: Config) -> None:
     parse_sinks(plugins.split_sinks(cfg.run.sinks)[0])  # module:Class sinks: plugins.check_config
     plugins.check_config(cfg)  # every module:attr key loads and takes its documented call
     offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
-    if cfg.env.mix:  # several environments (envs/mix) checks each one; returns cfg as env.name=mix
+    if cfg.env.mix or cfg.env.name == "mix":  # envs/mix checks each of env.mix; returns cfg as env.name=mix
         cfg = registry.load("envs", "mix", key="env.mix").check(cfg)
     env = registry.load("envs", cfg.env.name, key="env.name")
     env_keys(f"environment {cfg.env.name!r}", env)
@@ -62,7 +62,7 @@ def check_choices(cfg: Config) -> None:
 
 
 def build_env(cfg: Config) -> Environment:
-    if cfg.env.mix:  # several environments: the mix plug-in builds each one through build_env
+    if cfg.env.mix or cfg.env.name == "mix":  # several environments: envs/mix builds each through build_env
         return registry.load("envs", "mix", key="env.mix").from_config(cfg)
     cls = registry.load("envs", cfg.env.name, key="env.name")
     kwargs: dict[str, Any] = {k: getattr(cfg.env, k) for k in env_keys(f"environment {cfg.env.name!r}", cls)}

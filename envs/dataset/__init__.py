@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,11 @@ def normalize(text: str) -> str:
 
 def math_equal(gold: str, predicted: str) -> bool:
     mv = require("math_verify", "math", "env.options.reward=math")
+    # math-verify's timeouts are SIGALRM, which only the main thread may set (env workers may be threads)
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
     wrapped = predicted if "\\boxed" in predicted or "$" in predicted else f"${predicted}$"
-    return bool(mv.verify(mv.parse(f"${gold}$" if "$" not in str(gold) else str(gold)), mv.parse(wrapped)))
+    gold_parsed = mv.parse(f"${gold}$" if "$" not in str(gold) else str(gold), parsing_timeout=limit)
+    return bool(mv.verify(gold_parsed, mv.parse(wrapped, parsing_timeout=limit), timeout_seconds=limit))
 
 
 def tool_schema(fn: Any) -> dict[str, Any]:

@@ -31,7 +31,8 @@ def parse_mix(text: str) -> list[tuple[str, float]]:
         try:
             w = float(weight)
         except ValueError:
-            raise UserError(f"env.mix: {part!r} is not name:weight (e.g. env.mix=arith-tools:0.7,dataset:0.3)") from None
+            raise UserError(f"env.mix: {part!r} is not name:weight "
+                            "(e.g. env.mix=arith-tools:0.7,dataset:0.3)") from None
         if not w > 0:
             raise UserError(f"env.mix: the weight of {name!r} must be > 0 (got {weight})")
         out.append((name, w))
@@ -74,9 +75,9 @@ class MixEnv(Environment):
 
         harnesses = set()
         for name, _ in parse_mix(cfg.env.mix):
-            sub = sub_config(cfg, name)
+            sub, cls = sub_config(cfg, name), registry.load("envs", name, key="env.mix")
             check_choices(sub)
-            harnesses.add(harness_name(sub, registry.load("envs", name, key="env.mix")))
+            harnesses.add(harness_name(sub, cls))
         if len(harnesses) > 1:
             raise UserError(f"env.mix: the environments use different harnesses ({', '.join(sorted(harnesses))}); "
                             "mix environments that share one, or set env.harness")
