@@ -58,11 +58,9 @@ class RolloutConfig:
     stale: str = "recycle"  # a sample past max_staleness: recycle (re-run with newer weights) | drop
     max_recycles: int = 3  # recycle: re-runs of one stale sample before it is dropped (stale_gave_up)
     partial_rollout: str = "keep"  # episodes in flight at an async weight update: keep | abort | retract
-    # User code by dotted path (docs/extensions.md): a group filter (as DAPO's, same round budget), a
-    # filter of the batch before training, and a function that replaces episode generation for a step.
-    group_filter: str = ""  # module:fn(group) -> bool
-    buffer_filter: str = ""  # module:fn(trajectories) -> list[Trajectory]
-    function: str = ""  # module:async fn(ctx) -> list[Trajectory]
+    group_filter: str = ""  # module:fn(group) -> bool, on DAPO's round budget (docs/extensions.md)
+    buffer_filter: str = ""  # module:fn(trajectories) -> list[Trajectory], the batch before training
+    function: str = ""  # module:async fn(ctx) -> list[Trajectory], replaces episode generation for a step
 
 
 @dataclass(frozen=True)
@@ -155,14 +153,10 @@ class EnvConfig:
     max_observation_tokens: int = 256
     agent: str = ""  # black-box harness: the agent command, or module:function of an async agent
     agent_timeout_s: float = 600.0  # black-box harness: the agent's wall-clock limit per episode
-    # Rewards from user code (docs/extensions.md), sync or async; the env's own reward is kept in
-    # reward_parts["env_reward"] when one replaces it.
-    reward: str = ""  # module:fn(task, messages, env_reward) -> float | Reward, per episode
+    reward: str = ""  # module:fn(task, messages, env_reward) -> float | Reward, per episode (docs/extensions.md)
     group_reward: str = ""  # module:fn(task, responses, trajectories) -> list[float], per group
     reward_post: str = ""  # module:fn(rewards, trajectories) -> list[float], on the whole batch
-    # Several environments in one run (envs/mix): "arith-tools:0.7,dataset:0.3" (name:weight); each
-    # one's options under env.options.<name>.<key>. "" = env.name alone.
-    mix: str = ""
+    mix: str = ""  # several envs (envs/mix): "arith-tools:0.7,dataset:0.3"; options: env.options.<name>.<key>
 
 
 @dataclass(frozen=True)

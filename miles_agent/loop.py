@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from miles_agent import extensions, plugins
+from miles_agent import plugins
 from miles_agent.build import build_env, build_harness, check_choices, env_sandboxes
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
@@ -73,7 +73,7 @@ class Run:
         self.engines = self.cluster.engines(engine_model, self.tokenizer)
         self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
         self.transport = self.cluster.transport(self.trainer, self.engines)
-        self.runner = EpisodeRunner(extensions.with_reward(self.env, cfg.env.reward),  # env.reward: user code
+        self.runner = EpisodeRunner(plugins.with_reward(self.env, cfg.env.reward),  # env.reward: user code
                                     build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox)
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
         self.tasks_by_id = {t.id: t for t in self.sampler.tasks}
@@ -85,16 +85,16 @@ class Run:
         if cfg.algo.dynamic_sampling or cfg.rollout.group_filter:  # DAPO / a user's: rejected groups are replaced
             from miles_agent.algorithms.dynamic_sampling import InformativeGroupFilter, is_informative
 
-            user = plugins.maybe("rollout.group_filter", cfg.rollout.group_filter)
-            checks = [f for f in (is_informative if cfg.algo.dynamic_sampling else None, user) if f]
+            user = cfg.rollout.group_filter and plugins.load("rollout.group_filter", cfg.rollout.group_filter)
+            checks = [f for f in (cfg.algo.dynamic_sampling and is_informative, user) if f]
             self.group_filter = InformativeGroupFilter(cfg.rollout.prompts_per_step,
                                                        cfg.algo.dynamic_sampling_max_rounds,
                                                        predicate=lambda g: all(f(g) for f in checks))
             self.scheduler.keep_group = self.group_filter
         self.distiller = build_distiller(cfg, self.env, self.tokenizer, self.engine)  # None unless a teacher is set
-        builtin_sinks, user_sinks = plugins.split_sinks(cfg.run.sinks)  # run.sinks=module:Class: a user's sink
+        builtin_sinks = plugins.split_sinks(cfg.run.sinks)[0]  # and module:Class sinks, a user's
         self.metrics = build_sinks(self.run_dir, builtin_sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
-        self.metrics.extras += plugins.build_user_sinks(user_sinks, self.run_dir, cfg.to_dict(), resume)
+        self.metrics.extras += plugins.user_sinks(cfg.run.sinks, self.run_dir, cfg.to_dict(), resume)
         self.hooks = plugins.Hooks(cfg.run.hooks)
         self.step = 0
         self._resync_version: int | None = None
@@ -118,7 +118,7 @@ class Run:
             await self.transport.push(self.trainer.named_weights(), version=self._resync_version)
             self._resync_version = None
         self.scheduler.on_episode_done = progress.episode_done if progress else None
-        self.hooks.pending.update(await self.hooks.fire("on_run_start", self))
+        self.hooks.pending.update(await self.hooks.fire("on_run_start", self))  # logged with the first step
         try:
             while self.step < cfg.run.steps:
                 record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
@@ -126,13 +126,13 @@ class Run:
                     progress.phase("rollout", total=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
                 t0 = time.perf_counter()
                 if cfg.rollout.function:  # user code generates this step's episodes (sync mode)
-                    trajs, sched_metrics = await self._user_rollout(), {}
+                    trajs, sched_metrics = await plugins.RolloutContext(
+                        self.step, self.sampler.take(cfg.rollout.prompts_per_step), cfg.rollout.samples_per_prompt,
+                        self.engine, self.runner, self.tokenizer, cfg).run(cfg.rollout.function), {}
                 else:
                     trajs, sched_metrics = await self.scheduler.next_batch(version=self.step)
                 # env.group_reward, env.reward_post: user code rewrites the batch's rewards
-                await extensions.batch_rewards(cfg, trajs, self.tasks_by_id, self.tokenizer)
-                record.update(self.hooks.pending)
-                self.hooks.pending = {}
+                await plugins.batch_rewards(cfg, trajs, self.tasks_by_id, self.tokenizer)
                 record.update(await self.hooks.fire("after_rollout", self.step, trajs))
                 t1 = time.perf_counter()
                 trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
@@ -143,7 +143,7 @@ class Run:
                     raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
                                        "nothing to train on")
                 record.update(rollout_metrics(trajs))
-                record.update(extensions.env_metrics(self.env, trajs))  # env.mix: per-env reward, pass rate
+                record.update(plugins.env_metrics(self.env, trajs))  # env.mix: per-env reward, pass rate
                 record.update(sched_metrics)
                 record.update(self.runner.stats.as_metrics())  # infra retries / aborted, task failures
                 record.update(self.observer.rollout_record(trajs, trainer_version=self.step))
@@ -187,17 +187,9 @@ class Run:
         finally:
             await self.scheduler.close()
         self.trainer.save_hf(self.run_dir / "final")
-        final = {**self.hooks.pending, **await self.hooks.fire("on_run_end", self, records)}
-        if final:  # nothing left to log them with: the hooks' last metrics
+        if final := await self.hooks.fire("on_run_end", self, records):  # no step row left to log them in
             (self.run_dir / "hooks_final.json").write_text(json.dumps(final, indent=2))
         return records
-
-    async def _user_rollout(self) -> list[Any]:
-        """``rollout.function``: user code plays this step's tasks (the sampler's next ``prompts_per_step``)."""
-        cfg = self.cfg
-        ctx = extensions.RolloutContext(self.step, self.sampler.take(cfg.rollout.prompts_per_step),
-                                        cfg.rollout.samples_per_prompt, self.engine, self.runner, self.tokenizer, cfg)
-        return await extensions.run_rollout_function(cfg.rollout.function, ctx)
 
     async def _evaluate(self, progress: Any) -> dict[str, float]:
         """The current policy (the weights just pushed) on the eval split, as ``eval/*`` metrics."""
@@ -206,13 +198,12 @@ class Run:
         if progress:
             progress.phase("eval")
         t0 = time.perf_counter()
-        runner = EpisodeRunner(extensions.with_reward(self.env, self.cfg.env.reward),
+        runner = EpisodeRunner(plugins.with_reward(self.env, self.cfg.env.reward),
                                build_harness(self.cfg, self.env, self.tokenizer),
                                make_sandbox=env_sandboxes(self.cfg, self.env))
         trajs = await collect(runner, self.eval_tasks, 1, self.engine, self.cfg.rollout.concurrency)
-        metrics = {**rollout_metrics(trajs), **extensions.env_metrics(self.env, trajs)}
-        # RUN_DIR/eval.jsonl: one row per evaluation, beside metrics.jsonl (same step numbers)
-        row = {"step": self.step - 1, "weight_version": self.step, "split": "eval", **metrics}
+        metrics = {**rollout_metrics(trajs), **plugins.env_metrics(self.env, trajs)}
+        row = {"step": self.step - 1, "weight_version": self.step, "split": "eval", **metrics}  # beside metrics.jsonl
         with (self.run_dir / EVAL_FILE).open("a") as f:
             f.write(json.dumps(row) + "\n")
         return {**{f"eval/{k}": v for k, v in metrics.items()}, "time/eval": time.perf_counter() - t0}

@@ -374,9 +374,3 @@ def check_config(cfg: Any) -> None:
     if cfg.mode == "async" and cfg.max_staleness < 1:
         raise UserError("rollout.mode=async with max_staleness=0 can never overlap rollout and training; "
                         "set rollout.max_staleness >= 1 or use rollout.mode=sync")
-    if cfg.function and cfg.mode != "sync":
-        raise UserError(f"rollout.function replaces the scheduler's episodes, which only rollout.mode=sync "
-                        f"allows (got {cfg.mode!r}); set rollout.mode=sync")
-    if cfg.function and cfg.group_filter:
-        raise UserError("rollout.group_filter filters the scheduler's groups, which rollout.function bypasses; "
-                        "filter inside the rollout function or use rollout.buffer_filter")

@@ -143,8 +143,7 @@ class DatasetEnv(Environment):
         self.reward_fn = None
         if plugins.is_path(opts.reward):
             self.reward_fn = plugins.import_path("env.options.reward", opts.reward)
-            plugins.check_call("env.options.reward", opts.reward, self.reward_fn,
-                               "fn(task, messages) -> float | Reward", ("task", "messages"))
+            plugins.check_call("env.options.reward", opts.reward, self.reward_fn, "fn(task, messages) -> float | Reward")
         elif opts.reward == "math":
             require("math_verify", "math", "env.options.reward=math")  # now, not at the first score
         self.tool_fns = self._tools(opts.tools)

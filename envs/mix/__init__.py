@@ -3,7 +3,7 @@
 Each sub-environment is built the way ``env.name`` alone would build it (``miles_agent.build.build_env``),
 with its own options from ``env.options.<name>.<key>`` (``env.options.dataset.path=data.jsonl``). Its
 tasks keep their ids under a ``<name>/`` prefix, and the run's metrics carry ``env/<name>/reward_mean``,
-``pass_rate`` and ``episodes`` (the loop asks `MixEnv.env_of`). Weights are sampling shares: the train
+``pass_rate`` and ``episodes`` (the loop asks `MixEnv.batch_metrics`). Weights are sampling shares: the train
 split holds ``round(weight / sum * size)`` tasks of each environment (cycled when it has fewer), where
 ``size`` is the total of the sub-environments' train splits, shuffled each epoch by the task sampler.
 Eval splits are the sub-environments' whole eval splits. All sub-environments share one harness.
@@ -18,6 +18,7 @@ from miles_agent import registry
 from miles_agent.environment import Environment, EnvSession, Task
 from miles_agent.errors import UserError
 from miles_agent.sandbox import Sandbox, SandboxSpec
+from miles_agent.types import Status, Trajectory
 
 SEP = "/"
 
@@ -94,6 +95,19 @@ class MixEnv(Environment):
 
     def env_of(self, task_id: str) -> str:
         return task_id.partition(SEP)[0]
+
+    def batch_metrics(self, trajs: list[Trajectory], prefix: str = "env") -> dict[str, float]:
+        """Per sub-environment: episodes, reward mean and pass rate (scored episodes with reward >= 1)."""
+        by: dict[str, list[float]] = {}
+        for t in trajs:
+            if t.status in (Status.COMPLETED, Status.TRUNCATED) and t.reward is not None:
+                by.setdefault(self.env_of(t.task_id), []).append(float(t.reward))
+        out = {}
+        for name, rewards in sorted(by.items()):
+            out[f"{prefix}/{name}/episodes"] = float(len(rewards))
+            out[f"{prefix}/{name}/reward_mean"] = sum(rewards) / len(rewards)
+            out[f"{prefix}/{name}/pass_rate"] = sum(r >= 1.0 for r in rewards) / len(rewards)
+        return out
 
     def _split(self, task: Task) -> tuple[Environment, Task]:
         name, _, inner = task.id.partition(SEP)

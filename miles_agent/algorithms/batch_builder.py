@@ -82,21 +82,14 @@ def advantage_stats(trajectories: Sequence[Trajectory], advantages: Sequence[Seq
 
 
 def apply_mask_filter(path: str, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """``algo.loss_mask_filter``: per trajectory, False zeroes its loss mask and a 0/1 list (one per
-    response token) is ANDed into it; in place, before the advantages."""
-    if not path:
-        return {}
-    fn, touched = plugins.load("algo.loss_mask_filter", path), 0
-    for t in trajectories:
-        got = fn(t)
-        if isinstance(got, bool):
-            keep = [int(got)] * len(t.loss_mask)
-        elif len(got) == len(t.loss_mask):
-            keep = [int(bool(k)) for k in got]
-        else:
-            raise ValueError(f"algo.loss_mask_filter={path} returned {len(got)} values for a response of "
+    """``algo.loss_mask_filter``: per trajectory, False zeroes its loss mask, a 0/1 list is ANDed into it."""
+    touched = 0
+    for t in trajectories if path else ():
+        got = plugins.load("algo.loss_mask_filter", path)(t)
+        keep = [int(got)] * len(t.loss_mask) if isinstance(got, bool) else [int(bool(k)) for k in got]
+        if len(keep) != len(t.loss_mask):
+            raise ValueError(f"algo.loss_mask_filter={path} returned {len(keep)} values for a response of "
                              f"{len(t.loss_mask)} tokens; return a bool or one 0/1 per response token")
         new = [m & k for m, k in zip(t.loss_mask, keep)]
-        touched += int(new != t.loss_mask)
-        t.loss_mask = new
-    return {"loss_mask_filter/changed": float(touched)}
+        touched, t.loss_mask = touched + int(new != t.loss_mask), new
+    return {"loss_mask_filter/changed": float(touched)} if path else {}

@@ -27,7 +27,6 @@ TOKEN_LEVEL = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 ESTIMATORS = (*ADVANTAGES, *TOKEN_LEVEL)
 
 Rows = list[list[float]]
-OVERLONG = ("keep", "mask", "downweight")
 
 
 def needs_critic(algo: AlgoConfig) -> bool:
@@ -41,9 +40,7 @@ def needs_reference(algo: AlgoConfig) -> bool:
 
 def check_estimator(algo: AlgoConfig, samples_per_prompt: int | None = None) -> None:
     """Fail before any work on a misspelled estimator or driver-side options it cannot honour."""
-    if plugins.is_path(algo.advantage):
-        plugins.load("algo.advantage", algo.advantage)
-    elif algo.advantage not in ESTIMATORS:
+    if algo.advantage not in ESTIMATORS and not plugins.is_path(algo.advantage):  # a path: plugins.check_config
         raise UserError(f"unknown advantage estimator {algo.advantage!r}; choose one of: {', '.join(ESTIMATORS)} "
                         "(config key algo.advantage)")
     if algo.kl_reward_coef < 0 or algo.kl_coef < 0:
@@ -60,8 +57,8 @@ def check_estimator(algo: AlgoConfig, samples_per_prompt: int | None = None) -> 
                         "use another loss_agg or distill_mode=reward")
     if not 0.0 <= algo.turn_discount <= 1.0:
         raise UserError(f"algo.turn_discount must lie in [0, 1] (got {algo.turn_discount})")
-    if algo.overlong not in OVERLONG:
-        raise UserError(f"algo.overlong={algo.overlong!r}: choose one of {', '.join(OVERLONG)}")
+    if algo.overlong not in ("keep", "mask", "downweight"):
+        raise UserError(f"algo.overlong={algo.overlong!r}: choose one of keep, mask, downweight")
     if algo.dynamic_sampling and algo.dynamic_sampling_max_rounds < 1:
         raise UserError(f"algo.dynamic_sampling_max_rounds must be >= 1 (got {algo.dynamic_sampling_max_rounds})")
     if algo.dynamic_sampling and samples_per_prompt is not None and samples_per_prompt < 2:
@@ -103,16 +100,12 @@ def estimate(algo: AlgoConfig, trajectories: Sequence[Trajectory], *, kl: Sequen
 
 def user_advantages(algo: AlgoConfig, trajectories: Sequence[Trajectory], rewards: list[float],
                     groups: list[str]) -> Rows:
-    """``algo.advantage=module:fn``: one value per trajectory (broadcast) or one row per trajectory."""
+    """``algo.advantage=module:fn``: one value per trajectory (broadcast) or one row of per-token values."""
     check_rewards(rewards, groups)
     out = plugins.load("algo.advantage", algo.advantage)(rewards, groups, trajectories=list(trajectories), algo=algo)
-    if len(out) != len(trajectories):
-        raise ValueError(f"algo.advantage={algo.advantage} returned {len(out)} values for {len(trajectories)} "
-                         "trajectories; return one per trajectory")
-    if all(isinstance(a, (int, float)) for a in out):
+    if all(isinstance(a, (int, float)) for a in out) and len(out) == len(trajectories):
         return per_token(trajectories, out)
-    for t, row in zip(trajectories, out):
-        if len(row) != t.response_length:
-            raise ValueError(f"algo.advantage={algo.advantage} returned a row of {len(row)} for a response of "
-                             f"{t.response_length} tokens; return one value per response token")
+    if len(out) != len(trajectories) or any(len(r) != t.response_length for r, t in zip(out, trajectories)):
+        raise ValueError(f"algo.advantage={algo.advantage} returned {len(out)} values for {len(trajectories)} "
+                         "trajectories; return one number or one row of response_length numbers per trajectory")
     return [[float(a) for a in row] for row in out]

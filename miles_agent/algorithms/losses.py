@@ -133,9 +133,7 @@ def get_kl_estimator(name: str) -> KLFn:
 
 
 def check_agg_mode(mode: str) -> str:
-    if plugins.is_path(mode):  # algo.loss_agg=module:fn, a user reducer
-        plugins.load("algo.loss_agg", mode)
-    elif mode not in AGG_MODES:
+    if mode not in AGG_MODES and not plugins.is_path(mode):  # module:fn, a user's: plugins.check_config
         raise UserError(f"unknown loss aggregation {mode!r}; choose one of: {', '.join(AGG_MODES)} "
                         "(config key algo.loss_agg)")
     return mode

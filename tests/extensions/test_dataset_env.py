@@ -101,7 +101,7 @@ def test_a_user_reward_and_user_tools_by_dotted_path(jsonl, user_module, tokeniz
     assert t.reward == 1.0 and t.reward_parts["turn_reward/0"] == 0.5
     assert any(s.kind.value == "observation" for s in t.spans)  # the tool's reply is in the trajectory
     assert play(env, tokenizer, scripted, ["<answer>4</answer>"], task_index=2).reward == 0.0
-    with pytest.raises(UserError, match=r"env.options.reward=ds_user:one: signature one\(x\) does not fit"):
+    with pytest.raises(UserError, match=r"env.options.reward=ds_user:one: one\(x\) does not fit"):
         DatasetEnv(path=jsonl, prompt_field="question", reward="ds_user:one")
 
 

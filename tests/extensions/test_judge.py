@@ -1,4 +1,4 @@
-"""miles_agent.judge against a judge server this test starts on loopback: retries on 5xx and timeouts,
+"""miles_agent.envs.judge against a judge server this test starts on loopback: retries on 5xx and timeouts,
 fails at once on 4xx, raises an infrastructure error (the episode is retried, never scored 0) when down."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from miles_agent.envs.judge import JudgeError, ask_judge
 from miles_agent.errors import InfraError
-from miles_agent.judge import JudgeError, ask_judge
 
 
 class Judge(BaseHTTPRequestHandler):
@@ -50,6 +50,7 @@ class Judge(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def judge_url():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    server.handle_error = lambda *a: None  # the client that timed out on /slow hung up: expected
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"

@@ -16,11 +16,11 @@ from miles_agent.algorithms.losses import aggregate, compute_loss
 from miles_agent.build import check_choices
 from miles_agent.config import AlgoConfig, load_config
 from miles_agent.engine import SamplingParams
-from miles_agent.environment import HarnessLimits, Reward
+from miles_agent.environment import HarnessLimits
 from miles_agent.envs.arith_tools import ArithToolsEnv
 from miles_agent.errors import UserError
-from miles_agent.extensions import RewardEnv, batch_rewards
 from miles_agent.harnesses.chat_tools import ChatToolsHarness
+from miles_agent.plugins import RewardEnv, batch_rewards
 from miles_agent.rollout.episodes import EpisodeRunner
 from miles_agent.types import Trajectory
 
@@ -134,7 +134,7 @@ def refused(overrides: dict, *needles: str) -> str:
     ("algo.loss_mask_filter", "fn(trajectory)"),
     ("rollout.group_filter", "fn(group)"),
     ("rollout.buffer_filter", "fn(trajectories)"),
-    ("rollout.function", "async fn(ctx: RolloutContext)"),
+    ("rollout.function", "async fn(ctx)"),
 ])
 def test_a_wrong_signature_or_path_fails_at_start_naming_key_path_and_signature(mod, key, expected):
     wrong = "contract_fns:nothing"
@@ -148,7 +148,7 @@ def test_hooks_and_sinks_are_checked_at_start(mod):
             "after_rollout(step, trajectories)")
     refused({"run.hooks": "contract_fns:linear"}, "has none of the hook methods")
     refused({"run.sinks": "tensorboard,contract_fns:Hooks"}, "run.sinks=contract_fns:Hooks",
-            "Sink(run_dir, config, resume)")
+            "Sink(*, run_dir, config, resume)")
     refused({"env.reward": "justaname"}, "env.reward=justaname", "not a dotted path")
     check_choices(load_config("tiny-cpu", {"run.hooks": "contract_fns:Hooks", "run.sinks": "contract_fns:Sink"}))
 
@@ -158,7 +158,7 @@ def test_a_rollout_function_needs_sync_mode(mod):
 
 
 def test_an_episode_reward_function_scores_the_finished_conversation(mod, tokenizer, scripted):
-    env = RewardEnv(ArithToolsEnv(num_tasks=8), "contract_fns:judged")
+    env = RewardEnv(ArithToolsEnv(num_tasks=8), None, "contract_fns:judged")
     harness = ChatToolsHarness(tokenizer, HarnessLimits(max_turns=1), SamplingParams(max_new_tokens=32))
     task = env.tasks("train")[0]
     (t,) = asyncio.run(EpisodeRunner(env, harness, max_retries=0).run(task, scripted(["<answer>1</answer>"]), "g"))
@@ -227,7 +227,7 @@ def test_hooks_return_metrics_under_hooks_prefix(mod):
 
 
 def test_a_user_sink_gets_every_record(mod, tmp_path):
-    (sink,) = plugins.build_user_sinks(["contract_fns:Sink"], tmp_path, {}, False)
+    (sink,) = plugins.user_sinks("contract_fns:Sink", tmp_path, {}, False)
     assert sink.run_dir == tmp_path
     sink.write({"step": 0})
     sink.close()
@@ -235,9 +235,12 @@ def test_a_user_sink_gets_every_record(mod, tmp_path):
     assert plugins.split_sinks("tensorboard, contract_fns:Sink") == ("tensorboard", ["contract_fns:Sink"])
 
 
-def test_a_reward_that_is_not_a_number_is_named():
-    from miles_agent.extensions import as_reward
-
-    assert as_reward(1, "m:f") == Reward(1.0)
-    with pytest.raises(TypeError, match="env.reward=m:f returned 'x'"):
-        as_reward("x", "m:f")
+def test_a_reward_that_is_not_a_number_is_named(user_module, tokenizer, scripted):
+    user_module("bad_reward", """
+        def text(task, messages, env_reward):
+            return "1.0"
+    """)
+    env = RewardEnv(ArithToolsEnv(num_tasks=8), None, "bad_reward:text")
+    harness = ChatToolsHarness(tokenizer, HarnessLimits(max_turns=1), SamplingParams(max_new_tokens=32))
+    (t,) = asyncio.run(EpisodeRunner(env, harness, max_retries=0).run(env.tasks()[0], scripted(["1"]), "g"))
+    assert t.status.value == "failed" and "env.reward=bad_reward:text returned ['1.0']" in t.metadata["error"]

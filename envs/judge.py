@@ -1,4 +1,5 @@
-"""Calling a remote judge over HTTP from a reward function (``env.reward=mypkg.rewards:judged``).
+"""Calling a remote judge over HTTP from a reward function (``env.reward=mypkg.rewards:judged``);
+``from miles_agent.envs.judge import ask_judge``.
 
 `ask_judge` POSTs a JSON payload and reads a score from the JSON reply, with a per-request timeout and
 retries (exponential back-off) on connection errors, timeouts and 5xx replies; a 4xx reply is the
