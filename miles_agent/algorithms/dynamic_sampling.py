@@ -40,10 +40,16 @@ class InformativeGroupFilter:
             raise ValueError(f"groups_per_step and max_rounds must be >= 1 (got {groups_per_step}, {max_rounds})")
         self.max_rejections = (max_rounds - 1) * groups_per_step
         self._rejected_in_a_row = 0
-        self.predicate = predicate  # rollout.group_filter: a user's, on the same budget
+        self.predicate, self._decided = predicate, {}  # predicate: rollout.group_filter's, on the same budget
         self._step = {"kept": 0, "dropped": 0, "forced": 0}
 
     def __call__(self, group: list[Trajectory]) -> bool:
+        key = tuple(t.uid for t in group)  # the scheduler asks again until the batch is full: decide once
+        if key not in self._decided:
+            self._decided[key] = self._decide(group)
+        return self._decided[key]
+
+    def _decide(self, group: list[Trajectory]) -> bool:
         if self.predicate(group):
             self._rejected_in_a_row = 0
             self._step["kept"] += 1
@@ -59,5 +65,5 @@ class InformativeGroupFilter:
     def step_metrics(self) -> dict[str, float]:
         """Counts since the last call (one training step's worth of decisions)."""
         out = {f"dynamic_sampling/{k}_groups": float(v) for k, v in self._step.items()}
-        self._step = dict.fromkeys(self._step, 0)
+        self._step, self._decided = dict.fromkeys(self._step, 0), {}
         return out
