@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from miles_agent import registry
+from miles_agent import plugins, registry
 from miles_agent.config import Config, EnvConfig, closest, typed
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import Environment, HarnessLimits
@@ -44,8 +44,11 @@ def check_choices(cfg: Config) -> None:
     mismatch.check_options(cfg.algo)
     if cfg.algo.distill_teacher is not None:
         distill.check_mode(cfg.algo.distill_mode)
-    parse_sinks(cfg.run.sinks)
+    parse_sinks(plugins.split_sinks(cfg.run.sinks)[0])  # module:Class sinks: plugins.check_config
+    plugins.check_config(cfg)  # every module:attr key loads and takes its documented call
     offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
+    if cfg.env.mix or cfg.env.name == "mix":  # envs/mix checks each of env.mix; returns cfg as env.name=mix
+        cfg = registry.load("envs", "mix", key="env.mix").check(cfg)
     env = registry.load("envs", cfg.env.name, key="env.name")
     env_keys(f"environment {cfg.env.name!r}", env)
     env_options(cfg.env.name, env, cfg.env.options)
@@ -61,6 +64,8 @@ def check_choices(cfg: Config) -> None:
 
 
 def build_env(cfg: Config) -> Environment:
+    if cfg.env.mix or cfg.env.name == "mix":  # several environments: envs/mix builds each through build_env
+        return registry.load("envs", "mix", key="env.mix").from_config(cfg)
     cls = registry.load("envs", cfg.env.name, key="env.name")
     kwargs: dict[str, Any] = {k: getattr(cfg.env, k) for k in env_keys(f"environment {cfg.env.name!r}", cls)}
     if cfg.env.tasks:

@@ -58,6 +58,9 @@ class RolloutConfig:
     stale: str = "recycle"  # a sample past max_staleness: recycle (re-run with newer weights) | drop
     max_recycles: int = 3  # recycle: re-runs of one stale sample before it is dropped (stale_gave_up)
     partial_rollout: str = "keep"  # episodes in flight at an async weight update: keep | abort | retract
+    group_filter: str = ""  # module:fn(group) -> bool, on DAPO's round budget (docs/extensions.md)
+    buffer_filter: str = ""  # module:fn(trajectories) -> list[Trajectory], the batch before training
+    function: str = ""  # module:async fn(ctx) -> list[Trajectory], replaces episode generation for a step
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,11 @@ class AlgoConfig:
     distill_mode: str = "reward"  # reward: reverse KL in per-token advantages | loss: a loss term
     distill_coef: float = 1.0  # weight of the reverse-KL signal
     distill_task_coef: float = 1.0  # weight of the task reward's advantage beside it; 0 = pure distillation
+    loss_mask_filter: str = ""  # module:fn(trajectory) -> bool | list[int], ANDed into the loss mask
+    # Turn-level credit (docs/algorithms.md): turn rewards from reward_parts "turn_reward/<k>", discounted.
+    turn_discount: float = 1.0  # per turn; 1.0 with no turn rewards = the plain per-sample estimator
+    overlong: str = "keep"  # truncated trajectories (a length limit cut them): keep | mask | downweight
+    overlong_weight: float = 0.5  # overlong=downweight: their advantages are multiplied by this
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,10 @@ class EnvConfig:
     agent: str = ""  # black-box harness: the agent command, or module:function of an async agent
     agent_timeout_s: float = 600.0  # black-box harness: the agent's wall-clock limit per episode
     reward_out_of_range: str = "refuse"  # a reward outside the env's reward_range: refuse (not trained) | clip
+    reward: str = ""  # module:fn(task, messages, env_reward) -> float | Reward, per episode (docs/extensions.md)
+    group_reward: str = ""  # module:fn(task, responses, trajectories) -> list[float], per group
+    reward_post: str = ""  # module:fn(rewards, trajectories) -> list[float], on the whole batch
+    mix: str = ""  # several envs (envs/mix): "arith-tools:0.7,dataset:0.3"; options: env.options.<name>.<key>
 
 
 @dataclass(frozen=True)
@@ -160,6 +172,7 @@ class RunConfig:
     wandb_project: str = "miles-agent"
     dump_rollouts: int = 0  # write every N-th step's trajectories to RUN_DIR/rollouts/ (0 = never)
     log_samples: int = 2  # trajectories per step kept in RUN_DIR/samples.jsonl for `miles-agent report`
+    hooks: str = ""  # module:obj[,module2:obj2] with on_run_start / after_rollout / ... (docs/extensions.md)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from miles_agent import run_state
+from miles_agent import plugins, run_state
 from miles_agent.build import build_env, build_harness, check_choices, env_sandboxes
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
@@ -42,6 +42,7 @@ from miles_agent.sinks import build_sinks
 from miles_agent.types import Status
 
 ROUTING_FILE = "routing.npz"  # R3 routing of the episodes a checkpoint buffers (miles_agent.scheduling)
+EVAL_FILE = "eval.jsonl"  # run.eval_every's rows
 
 
 class Run:
@@ -72,22 +73,30 @@ class Run:
         self.engines = self.cluster.engines(engine_model, self.tokenizer)
         self.engine = self.engines[0]  # episodes go through this client (a router when there are several)
         self.transport = self.cluster.transport(self.trainer, self.engines)
-        self.runner = EpisodeRunner(self.env, build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox,
+        self.runner = EpisodeRunner(plugins.with_reward(self.env, cfg.env.reward),  # env.reward: user code
+                                    build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox,
                                     reward_out_of_range=cfg.env.reward_out_of_range)
         self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        self.tasks_by_id = {t.id: t for t in self.sampler.tasks}
         # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
         self.scheduler = RolloutScheduler(self.runner, self.sampler, self.engine, self.engines, cfg.rollout,
                                           seed=cfg.run.seed, routing=self.routing)
         self.group_filter = None
-        if cfg.algo.dynamic_sampling:  # DAPO: uninformative groups are replaced by fresh tasks
-            from miles_agent.algorithms.dynamic_sampling import InformativeGroupFilter
+        if cfg.algo.dynamic_sampling or cfg.rollout.group_filter:  # DAPO / a user's: rejected groups are replaced
+            from miles_agent.algorithms.dynamic_sampling import InformativeGroupFilter, is_informative
 
+            user = cfg.rollout.group_filter and plugins.load("rollout.group_filter", cfg.rollout.group_filter)
+            checks = [f for f in (cfg.algo.dynamic_sampling and is_informative, user) if f]
             self.group_filter = InformativeGroupFilter(cfg.rollout.prompts_per_step,
-                                                       cfg.algo.dynamic_sampling_max_rounds)
+                                                       cfg.algo.dynamic_sampling_max_rounds,
+                                                       predicate=lambda g: all(f(g) for f in checks))
             self.scheduler.keep_group = self.group_filter
         self.distiller = build_distiller(cfg, self.env, self.tokenizer, self.engine)  # None unless a teacher is set
-        self.metrics = build_sinks(self.run_dir, cfg.run.sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
+        builtin_sinks = plugins.split_sinks(cfg.run.sinks)[0]  # and module:Class sinks, a user's
+        self.metrics = build_sinks(self.run_dir, builtin_sinks, cfg.to_dict(), cfg.run.wandb_project, resume)
+        self.metrics.extras += plugins.user_sinks(cfg.run.sinks, self.run_dir, cfg.to_dict(), resume)
+        self.hooks = plugins.Hooks(cfg.run.hooks)
         self.step = 0
         self._resync_version: int | None = None
         if resume:
@@ -96,6 +105,7 @@ class Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             self.metrics.path.unlink(missing_ok=True)
+            (self.run_dir / EVAL_FILE).unlink(missing_ok=True)
         self.observer = StepObserver(self.runner, self.engines)  # after resume: counters' deltas start here
         self.recorder = RolloutRecorder(self.run_dir, cfg.run.dump_rollouts, cfg.run.log_samples, self.step)
 
@@ -110,19 +120,32 @@ class Run:
             self._resync_version = None
         self.scheduler.on_episode_done = progress.episode_done if progress else None
         stop = run_state.StopSignals()  # SIGINT / SIGTERM: the step in progress ends, is saved, and the run stops
+        self.hooks.pending.update(await self.hooks.fire("on_run_start", self))  # logged with the first step
         try:
             while self.step < cfg.run.steps:
                 record: dict[str, Any] = {"step": self.step, "weight_version": self.engine.weight_version}
                 if progress:
                     progress.phase("rollout", total=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
                 t0 = time.perf_counter()
-                trajs, sched_metrics = await self.scheduler.next_batch(version=self.step)
+                if cfg.rollout.function:  # user code generates this step's episodes (sync mode)
+                    trajs, sched_metrics = await plugins.RolloutContext(
+                        self.step, self.sampler.take(cfg.rollout.prompts_per_step), cfg.rollout.samples_per_prompt,
+                        self.engine, self.runner, self.tokenizer, cfg).run(cfg.rollout.function), {}
+                else:
+                    trajs, sched_metrics = await self.scheduler.next_batch(version=self.step)
+                # env.group_reward, env.reward_post: user code rewrites the batch's rewards
+                await plugins.batch_rewards(cfg, trajs, self.tasks_by_id, self.tokenizer)
+                record.update(await self.hooks.fire("after_rollout", self.step, trajs))
                 t1 = time.perf_counter()
                 trainable = [t.validate() for t in trajs if t.status in (Status.COMPLETED, Status.TRUNCATED)]
+                if cfg.rollout.buffer_filter:  # user code picks what trains (whole groups, by its own rule)
+                    trainable = plugins.load("rollout.buffer_filter", cfg.rollout.buffer_filter)(trainable)
+                    record["buffer_filter/kept"] = float(len(trainable))
                 if not trainable:
                     raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
                                        "nothing to train on")
                 record.update(rollout_metrics(trajs))
+                record.update(plugins.env_metrics(self.env, trajs))  # env.mix: per-env reward, pass rate
                 record.update(sched_metrics)
                 record.update(self.runner.stats.as_metrics())  # infra retries / aborted, task failures
                 record.update(self.observer.rollout_record(trajs, trainer_version=self.step))
@@ -136,7 +159,9 @@ class Run:
                     batch, distill_metrics = await self.distiller.apply(batch)
                     record.update(distill_metrics)
                 self.recorder.record(self.step, trajs, batch.trajectories, batch.advantages)
+                record.update(await self.hooks.fire("before_train_step", self.step, batch))
                 train_metrics = await self._train_step(batch)
+                record.update(await self.hooks.fire("after_train_step", self.step, train_metrics))
                 t2 = time.perf_counter()
                 if progress:
                     progress.phase("sync")
@@ -144,6 +169,7 @@ class Run:
                 async with self.scheduler.weight_update():
                     sync = await self.transport.push(weights, version=self.step + 1)
                 t3 = time.perf_counter()
+                record.update(await self.hooks.fire("after_weight_sync", self.step, self.step + 1))
                 record.update({f"train/{k}": v for k, v in train_metrics.items()})
                 record.update(sync)
                 record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
@@ -159,23 +185,32 @@ class Run:
                 every = cfg.run.checkpoint_every
                 if (every and self.step % every == 0) or self.step == cfg.run.steps or stop.requested:
                     path = self.save_checkpoint()
+                    self.hooks.pending.update(await self.hooks.fire("on_checkpoint", self.step, path))
                 if stop.requested and self.step < cfg.run.steps:
                     raise run_state.Interrupted(self.step, path)
         finally:
             stop.remove()
             await self.scheduler.close()
         self.trainer.save_hf(self.run_dir / "final")
+        if final := await self.hooks.fire("on_run_end", self, records):  # no step row left to log them in
+            (self.run_dir / "hooks_final.json").write_text(json.dumps(final, indent=2))
         return records
 
     async def _evaluate(self, progress: Any) -> dict[str, float]:
         """The current policy (the weights just pushed) on the eval split, as ``eval/*`` metrics."""
-        from miles_agent.evaluate import score_policy
+        from miles_agent.rollout.episodes import collect
 
         if progress:
             progress.phase("eval")
         t0 = time.perf_counter()
-        metrics = await score_policy(self.cfg, self.env, self.tokenizer, self.engine, self.eval_tasks,
-                                     env_sandboxes(self.cfg, self.env))
+        runner = EpisodeRunner(plugins.with_reward(self.env, self.cfg.env.reward),
+                               build_harness(self.cfg, self.env, self.tokenizer),
+                               make_sandbox=env_sandboxes(self.cfg, self.env))
+        trajs = await collect(runner, self.eval_tasks, 1, self.engine, self.cfg.rollout.concurrency)
+        metrics = {**rollout_metrics(trajs), **plugins.env_metrics(self.env, trajs)}
+        row = {"step": self.step - 1, "weight_version": self.step, "split": "eval", **metrics}  # beside metrics.jsonl
+        with (self.run_dir / EVAL_FILE).open("a") as f:
+            f.write(json.dumps(row) + "\n")
         return {**{f"eval/{k}": v for k, v in metrics.items()}, "time/eval": time.perf_counter() - t0}
 
     async def _train_step(self, batch: Any) -> dict[str, float]:
@@ -226,6 +261,10 @@ class Run:
         tmp = self.metrics.path.with_name(self.metrics.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.metrics.path)
+        evals = self.run_dir / EVAL_FILE
+        if evals.is_file():  # and the evaluations of those steps
+            rows = [line for line in evals.read_text().splitlines() if json.loads(line)["step"] < self.step]
+            evals.write_text("".join(r + "\n" for r in rows))
 
 
 def eval_tasks(cfg: Config, env: Any) -> list[Any]:

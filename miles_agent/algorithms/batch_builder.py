@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from miles_agent import plugins
 from miles_agent.algorithms.estimators import check_estimator, estimate, needs_critic
 from miles_agent.algorithms.losses import get_kl_estimator
+from miles_agent.algorithms.turns import apply_overlong
 from miles_agent.config import AlgoConfig
 from miles_agent.trainer import TrainBatch
 from miles_agent.types import Trajectory
@@ -39,6 +41,7 @@ class BatchBuilder:
     def build(self, trajectories: list[Trajectory]) -> tuple[TrainBatch, dict[str, float]]:
         """The policy's train batch, and metrics (the critic's, when there is one, and advantage stats)."""
         algo = self.algo
+        masked = apply_mask_filter(algo.loss_mask_filter, trajectories)
         old = ref = kl = values = None
         if algo.kl_reward_coef > 0:
             ref = self.trainer.compute_logprobs(trajectories, reference=True)
@@ -48,7 +51,8 @@ class BatchBuilder:
         if self.critic is not None:
             values = self.critic.values(trajectories)
         advantages, returns = estimate(algo, trajectories, kl=kl, values=values)
-        metrics = advantage_stats(trajectories, advantages)
+        metrics = {**masked, **apply_overlong(trajectories, advantages, algo.overlong, algo.overlong_weight)}
+        metrics.update(advantage_stats(trajectories, advantages))
         if self.critic is not None:
             metrics.update({f"critic/{k}": v for k, v in
                             self.critic.train_step(trajectories, returns, values).items()})
@@ -75,3 +79,17 @@ def advantage_stats(trajectories: Sequence[Trajectory], advantages: Sequence[Seq
     if not vals:
         return {"adv/mean": 0.0, "adv/abs_mean": 0.0}
     return {"adv/mean": sum(vals) / len(vals), "adv/abs_mean": sum(abs(v) for v in vals) / len(vals)}
+
+
+def apply_mask_filter(path: str, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """``algo.loss_mask_filter``: per trajectory, False zeroes its loss mask, a 0/1 list is ANDed into it."""
+    touched = 0
+    for t in trajectories if path else ():
+        got = plugins.load("algo.loss_mask_filter", path)(t)
+        keep = [int(got)] * len(t.loss_mask) if isinstance(got, bool) else [int(bool(k)) for k in got]
+        if len(keep) != len(t.loss_mask):
+            raise ValueError(f"algo.loss_mask_filter={path} returned {len(keep)} values for a response of "
+                             f"{len(t.loss_mask)} tokens; return a bool or one 0/1 per response token")
+        new = [m & k for m, k in zip(t.loss_mask, keep)]
+        touched, t.loss_mask = touched + int(new != t.loss_mask), new
+    return {"loss_mask_filter/changed": float(touched)} if path else {}

@@ -12,7 +12,7 @@ not count. A group with fewer than two scored episodes has no baseline and is dr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from miles_agent.types import Status, Trajectory
 
@@ -34,15 +34,23 @@ class InformativeGroupFilter:
     rewards (``forced``), DAPO's round limit in streaming form: a too-easy task set slows a run down
     but never stalls it."""
 
-    def __init__(self, groups_per_step: int, max_rounds: int) -> None:
+    def __init__(self, groups_per_step: int, max_rounds: int,
+                 predicate: Callable[[list[Trajectory]], bool] = is_informative) -> None:
         if groups_per_step < 1 or max_rounds < 1:
             raise ValueError(f"groups_per_step and max_rounds must be >= 1 (got {groups_per_step}, {max_rounds})")
         self.max_rejections = (max_rounds - 1) * groups_per_step
         self._rejected_in_a_row = 0
+        self.predicate, self._decided = predicate, {}  # predicate: rollout.group_filter's, on the same budget
         self._step = {"kept": 0, "dropped": 0, "forced": 0}
 
     def __call__(self, group: list[Trajectory]) -> bool:
-        if is_informative(group):
+        key = tuple(t.uid for t in group)  # the scheduler asks again until the batch is full: decide once
+        if key not in self._decided:
+            self._decided[key] = self._decide(group)
+        return self._decided[key]
+
+    def _decide(self, group: list[Trajectory]) -> bool:
+        if self.predicate(group):
             self._rejected_in_a_row = 0
             self._step["kept"] += 1
             return True
@@ -57,5 +65,5 @@ class InformativeGroupFilter:
     def step_metrics(self) -> dict[str, float]:
         """Counts since the last call (one training step's worth of decisions)."""
         out = {f"dynamic_sampling/{k}_groups": float(v) for k, v in self._step.items()}
-        self._step = dict.fromkeys(self._step, 0)
+        self._step, self._decided = dict.fromkeys(self._step, 0), {}
         return out

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from miles_agent import plugins
 from miles_agent.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,6 +123,8 @@ def _lookup(registry: dict[str, Any], name: str, what: str, key: str) -> Any:
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
+    if plugins.is_path(name):  # algo.loss=module:fn, its signature checked once (plugins.KINDS)
+        return plugins.load("algo.loss", name)
     return _lookup(POLICY_LOSSES, name, "policy loss", "algo.loss")
 
 
@@ -130,7 +133,7 @@ def get_kl_estimator(name: str) -> KLFn:
 
 
 def check_agg_mode(mode: str) -> str:
-    if mode not in AGG_MODES:
+    if mode not in AGG_MODES and not plugins.is_path(mode):  # module:fn, a user's: plugins.check_config
         raise UserError(f"unknown loss aggregation {mode!r}; choose one of: {', '.join(AGG_MODES)} "
                         "(config key algo.loss_agg)")
     return mode
@@ -168,6 +171,9 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token_mean", *, num_tok
     ``num_tokens`` / ``num_seqs`` default to this tensor's own counts; pass the global batch's
     counts when ``values`` is one micro-batch of many. No sequence may be split across calls.
     """
+    if plugins.is_path(mode):
+        return plugins.load("algo.loss_agg", mode)(values, mask, num_tokens=num_tokens, num_seqs=num_seqs,
+                                                   row_weights=row_weights)
     masked = values * mask
     if mode == "token_mean":
         denom = float(mask.sum().item()) if num_tokens is None else float(num_tokens)
