@@ -58,6 +58,8 @@ class RolloutConfig:
     stale: str = "recycle"  # a sample past max_staleness: recycle (re-run with newer weights) | drop
     max_recycles: int = 3  # recycle: re-runs of one stale sample before it is dropped (stale_gave_up)
     partial_rollout: str = "keep"  # episodes in flight at an async weight update: keep | abort | retract
+    # The embedded engine's weights, quantized at each sync (docs/precision.md): auto | bf16 | fp8 | mxfp8 | int4
+    weight_format: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (fsdp2)
     pack_sequences: bool = False  # fsdp2: a micro-batch's sequences in one row, no pad tokens computed
     logits_chunk_tokens: int = 1024  # LM head + log-softmax per chunk of this many tokens; 0 = all at once
+    qat: str = "none"  # none | int4: group-wise int4 fake quantization (STE) in the forward (fsdp2)
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,8 @@ class Run:
                     sync = await self.transport.push(weights, version=self.step + 1)
                 t3 = time.perf_counter()
                 record.update({f"train/{k}": v for k, v in train_metrics.items()})
+                if cfg.rollout.weight_format != "auto":  # the mismatch under the rollout's precision
+                    record[f"mismatch/{cfg.rollout.weight_format}"] = train_metrics.get("logprob_mismatch_mean", 0.0)
                 record.update(sync)
                 record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
                                "time/step": t3 - t0,

@@ -36,7 +36,7 @@ from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
 from miles_agent.trainers import checkpoint as ckpt
 from miles_agent.trainers import lora as lora_mod
-from miles_agent.trainers import precision, routing_replay
+from miles_agent.trainers import precision, qat, routing_replay
 from miles_agent.trainers.batching import MicroBatch, pack
 from miles_agent.trainers.logprobs import chunked_head, head_logprobs
 from miles_agent.trainers.lora_options import LoraSection
@@ -130,6 +130,7 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
                 enable({"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        qat.install(model, train.qat)  # int4 QAT: the forward sees the engine's int4 rounding (STE)
         if self.lora is not None:  # after the reference copy: the reference is the base model
             model = lora_mod.wrap(model, self.lora)
         # fp32 master weights (upcasting bf16 is exact); FSDP2 casts them to the compute dtype to run

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles_agent.errors import UserError
+
 
 def build_engines(cfg: Any, model: Any, tokenizer: Any) -> list[Any]:
     """The embedded torch engine: one in-process engine on ``model.device`` (the CPU default)."""
     from miles_agent.engines.embedded.engine import EmbeddedEngine
 
+    from miles_agent.engines.embedded import quant
+
     lora = getattr(cfg, "sections", {}).get("lora")
+    fmt = quant.check_format(cfg.rollout.weight_format)
+    if lora is not None and lora.enabled and fmt not in ("auto", "bf16"):
+        raise UserError(f"rollout.weight_format={fmt} with lora.rank > 0 is not implemented in the embedded "
+                        "engine (its LoRA layers hold the base weight unquantized); use one of the two")
+    quant.install(model, fmt)  # fp8 / mxfp8 / int4: requantized at every sync
     rows = None
     if lora is not None and lora.enabled:  # unmerged adapters, one per request (engines/embedded/lora.py)
         from miles_agent.engines.embedded import lora as engine_lora
