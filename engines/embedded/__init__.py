@@ -15,9 +15,8 @@ from miles_agent.errors import UserError
 
 def build_engines(cfg: Any, model: Any, tokenizer: Any) -> list[Any]:
     """The embedded torch engine: one in-process engine on ``model.device`` (the CPU default)."""
-    from miles_agent.engines.embedded.engine import EmbeddedEngine
-
     from miles_agent.engines.embedded import quant
+    from miles_agent.engines.embedded.engine import EmbeddedEngine
 
     lora = getattr(cfg, "sections", {}).get("lora")
     fmt = quant.check_format(cfg.rollout.weight_format)
