@@ -41,41 +41,61 @@ class AdapterRows:
 class LoraLinear(nn.Module):
     """A linear layer with several unmerged LoRA adapters, chosen per batch row (``AdapterRows``)."""
 
-    def __init__(self, base: nn.Linear, names: list[str], rank: int, scaling: float, rows: AdapterRows) -> None:
+    def __init__(self, base: nn.Linear, rows: AdapterRows) -> None:
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
-        self.lora_A = nn.ModuleDict({n: nn.Linear(base.in_features, rank, bias=False, **kw) for n in names})
-        self.lora_B = nn.ModuleDict({n: nn.Linear(rank, base.out_features, bias=False, **kw) for n in names})
-        for b in self.lora_B.values():
-            nn.init.zeros_(b.weight)  # as peft: a fresh adapter is the identity update
-        self.scaling = scaling
+        self.lora_A, self.lora_B = nn.ModuleDict(), nn.ModuleDict()
+        self.scaling: dict[str, float] = {}
         self._rows = rows
+
+    def add(self, name: str, rank: int, scaling: float) -> None:
+        """A fresh adapter (B = 0, as peft: the identity update), or ``name``'s re-shaped for a new rank."""
+        kw = dict(device=self.weight.device, dtype=self.weight.dtype)
+        self.lora_A[name] = nn.Linear(self.in_features, rank, bias=False, **kw)
+        self.lora_B[name] = nn.Linear(rank, self.out_features, bias=False, **kw)
+        nn.init.zeros_(self.lora_B[name].weight)
+        self.scaling[name] = scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         rows = self._rows.rows
         for i, name in enumerate(self._rows.names):
-            a, b = self.lora_A[name], self.lora_B[name]
+            if name not in self.lora_A:  # an adapter that does not target this layer
+                continue
+            a, b, scaling = self.lora_A[name], self.lora_B[name], self.scaling[name]
             if rows is None:
-                return y + b(a(x)) * self.scaling if i == 0 else y
+                return y + b(a(x)) * scaling if i == 0 else y
             sel = rows == i
             if bool(sel.any()):
-                y[sel] = y[sel] + b(a(x[sel])) * self.scaling
+                y[sel] = y[sel] + b(a(x[sel])) * scaling
         return y
 
 
 def install(model: nn.Module, names: list[str], rank: int, scaling: float, targets: list[str]) -> AdapterRows:
-    """Replace every ``nn.Linear`` whose name ends in one of ``targets`` with a ``LoraLinear``."""
-    rows = AdapterRows(list(names))
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
+    """Replace every ``nn.Linear`` whose name ends in one of ``targets`` with a ``LoraLinear`` holding ``names``."""
+    rows = AdapterRows([])
+    for name in names:
+        add_adapter(model, rows, name, rank, scaling, targets)
+    return rows
+
+
+def add_adapter(model: nn.Module, rows: AdapterRows, name: str, rank: int, scaling: float,
+                targets: list[str]) -> None:
+    """Serve one more adapter (or re-create ``name``) on the ``targets`` layers, wrapping them as needed."""
+    found = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets
+             and (type(m) is nn.Linear or isinstance(m, LoraLinear))]
     if not found:
         raise ValueError(f"no linear layer of the engine's model is named one of {targets}")
-    for name, linear in found:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, LoraLinear(linear, rows.names, rank, scaling, rows))
-    return rows
+    for path, module in found:
+        if not isinstance(module, LoraLinear):
+            parent, _, attr = path.rpartition(".")
+            module = LoraLinear(module, rows)
+            setattr(model.get_submodule(parent), attr, module)
+        module.add(name, rank, scaling)
+    if name not in rows.index:
+        rows.index[name] = len(rows.names)
+        rows.names.append(name)
 
 
 def attach(engine: Any, rows: AdapterRows) -> None:
