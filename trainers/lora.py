@@ -157,6 +157,7 @@ class LoraSteps:
             with active(self.model, name):
                 metrics = super().train_step(sub_batch(batch, idx))  # type: ignore[misc]
             out.update({f"lora/{name}/{k}": v for k, v in metrics.items()})
+            out[f"lora/{name}/reward_mean"] = sum(batch.trajectories[i].reward or 0.0 for i in idx) / len(idx)
             for k, v in metrics.items():
                 merged.setdefault(k, []).append(v)
         self.step = start + 1
