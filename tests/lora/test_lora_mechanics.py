@@ -183,3 +183,23 @@ def test_megatron_refuses_lora_in_one_line():
     model, tok = build_tiny("tiny-qwen3")
     with pytest.raises(UserError, match="Megatron-Bridge"):
         MegatronTrainer(copy.deepcopy(model), tok, TrainConfig(), AlgoConfig(), lora=LoraSection(rank=4))
+
+
+def test_checkpoint_resumes_every_adapter_and_exports_each_in_peft_format(tmp_path):
+    lora = LoraSection(rank=4, adapters=["add", "mul"], routes={"add-": "add", "mul-": "mul"})
+    trainer = lora_trainer(lora)
+    step(trainer, trajectories(["add-1", "add-1", "mul-2", "mul-2"]))
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    saved = {n: t.clone() for n, t in trainer.named_weights()}
+    after_save = step(trainer, trajectories(["add-1", "add-1", "mul-2", "mul-2"], seed=1))
+    trainer.close()
+    for name in ("add", "mul"):
+        assert (tmp_path / "ckpt" / "lora" / name / "adapter_model.safetensors").is_file()
+    resumed = lora_trainer(lora)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.step == 1
+    got = dict(resumed.named_weights())
+    assert got.keys() == saved.keys() and all(torch.equal(got[n], saved[n]) for n in saved)
+    again = step(resumed, trajectories(["add-1", "add-1", "mul-2", "mul-2"], seed=1))  # same optimizer state
+    assert again["lora/add/grad_norm"] == pytest.approx(after_save["lora/add/grad_norm"], rel=1e-5)
+    resumed.close()
