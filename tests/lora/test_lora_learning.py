@@ -11,7 +11,7 @@ from miles_agent.config import load_config
 from miles_agent.loop import train
 from miles_agent.models.builder import build_tiny
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 def full_sync_bytes() -> int:
