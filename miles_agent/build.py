@@ -93,7 +93,9 @@ def build_harness(cfg: Config, env: Environment, tokenizer: Any) -> Any:
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     cls = registry.load("harnesses", name, key="env.harness")
     keys = {k: getattr(cfg.env, k) for k in env_keys(f"harness {name!r}", cls)}
-    return cls(tokenizer, limits, sampling, **keys)
+    harness = cls(tokenizer, limits, sampling, **keys)
+    lora = cfg.sections.get("lora")  # LoRA: each episode's requests go to its task's adapter
+    return lora.wrap_harness(harness) if hasattr(lora, "wrap_harness") else harness
 
 
 def env_keys(plugin: str, cls: Any) -> tuple[str, ...]:

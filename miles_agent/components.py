@@ -102,7 +102,10 @@ def trainer_extra(cfg: Config) -> dict[str, Any]:
     """A trainer that owns the config section of its own name (``megatron``) gets it as the keyword
     argument of that name, in-process or on Ray ranks."""
     name = cfg.train.backend
-    return {name: cfg.sections[name]} if name in cfg.sections else {}
+    extra = {name: cfg.sections[name]} if name in cfg.sections else {}
+    if getattr(cfg.sections.get("lora"), "enabled", False):  # lora.rank > 0: the trainer gets the section
+        extra["lora"] = cfg.sections["lora"]
+    return extra
 
 
 def offload_enabled(offload: bool | str, *, colocate: bool, mode: str) -> bool:

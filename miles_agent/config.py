@@ -61,6 +61,8 @@ class RolloutConfig:
     group_filter: str = ""  # module:fn(group) -> bool, on DAPO's round budget (docs/extensions.md)
     buffer_filter: str = ""  # module:fn(trajectories) -> list[Trajectory], the batch before training
     function: str = ""  # module:async fn(ctx) -> list[Trajectory], replaces episode generation for a step
+    # The embedded engine's weights, quantized at each sync (docs/precision.md): auto | bf16 | fp8 | mxfp8 | int4
+    weight_format: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (fsdp2)
     pack_sequences: bool = False  # fsdp2: a micro-batch's sequences in one row, no pad tokens computed
     logits_chunk_tokens: int = 1024  # LM head + log-softmax per chunk of this many tokens; 0 = all at once
+    qat: str = "none"  # none | int4: group-wise int4 fake quantization (STE) in the forward (fsdp2)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    lora_path: str | None = None  # the LoRA adapter serving this request (SGLang's top-level lora_path)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:

@@ -171,6 +171,8 @@ class Run:
                 t3 = time.perf_counter()
                 record.update(await self.hooks.fire("after_weight_sync", self.step, self.step + 1))
                 record.update({f"train/{k}": v for k, v in train_metrics.items()})
+                if cfg.rollout.weight_format != "auto":  # the mismatch under the rollout's precision
+                    record[f"mismatch/{cfg.rollout.weight_format}"] = train_metrics.get("logprob_mismatch_mean", 0.0)
                 record.update(sync)
                 record.update({"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
                                "time/step": t3 - t0,

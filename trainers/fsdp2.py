@@ -35,9 +35,11 @@ from miles_agent.algorithms.estimators import needs_reference
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
 from miles_agent.trainers import checkpoint as ckpt
-from miles_agent.trainers import precision, routing_replay
+from miles_agent.trainers import lora as lora_mod
+from miles_agent.trainers import precision, qat, routing_replay
 from miles_agent.trainers.batching import MicroBatch, pack
 from miles_agent.trainers.logprobs import chunked_head, head_logprobs
+from miles_agent.trainers.lora_options import LoraSection
 from miles_agent.trainers.policy_trainer import PolicyTrainer, local_grad_norm
 from miles_agent.types import Trajectory
 
@@ -94,12 +96,13 @@ def check_memory_options(train: TrainConfig, algo: AlgoConfig) -> None:
                             "per row); set train.pack_sequences=false")
 
 
-class FSDP2Trainer(PolicyTrainer):
+class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
     """Algorithm-blind policy trainer on FSDP2 (the step is ``PolicyTrainer``'s; these are its hooks)."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, train: TrainConfig, algo: AlgoConfig, *,
-                 temperature: float = 1.0, device: str = "cpu") -> None:
+                 temperature: float = 1.0, device: str = "cpu", lora: LoraSection | None = None) -> None:
         super().__init__(tokenizer, train, algo, temperature)
+        self.lora = lora if lora is not None and lora.enabled else None  # LoRA: peft adapters train alone
         check_memory_options(train, algo)
         self.compute_dtype, master = precision.dtypes(model, train)
         self.device = torch.device(device)
@@ -127,6 +130,9 @@ class FSDP2Trainer(PolicyTrainer):
                 enable({"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        qat.install(model, train.qat)  # int4 QAT: the forward sees the engine's int4 rounding (STE)
+        if self.lora is not None:  # after the reference copy: the reference is the base model
+            model = lora_mod.wrap(model, self.lora)
         # fp32 master weights (upcasting bf16 is exact); FSDP2 casts them to the compute dtype to run
         self.model = shard(model.to(self.device, master), self.mesh,
                            precision.fsdp_policy(self.compute_dtype, master))
@@ -201,11 +207,17 @@ class FSDP2Trainer(PolicyTrainer):
     def _dp_group(self) -> Any:
         return None  # the default group: every rank holds its own data
 
+    def _optimized_params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+
     # -- weights out --------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full tensors under the unwrapped HF ``state_dict`` names, one all-gather per tensor (tied
         weights share one), in the compute dtype (the engine's: fp32 masters are rounded to bf16 here).
-        A collective: iterate it to the end on every rank."""
+        A collective: iterate it to the end on every rank. With LoRA: the adapter tensors only."""
+        if self.lora is not None:
+            yield from lora_mod.adapter_weights(self.model, self.compute_dtype)
+            return
         seen: dict[tuple[int, tuple[int, ...]], Tensor] = {}
         for name, t in self.model.state_dict().items():
             local = t.to_local() if isinstance(t, DTensor) else t
@@ -216,11 +228,16 @@ class FSDP2Trainer(PolicyTrainer):
             yield name, seen[key]
 
     def save_hf(self, path: Path) -> None:
-        """Rank 0 writes the policy as an HF folder via ``models.builder.save_hf``."""
+        """Rank 0 writes the policy as an HF folder via ``models.builder.save_hf`` (LoRA: the adapters, in
+        peft's format, one folder each)."""
+        if self.lora is not None:
+            return lora_mod.save_adapters(self.model, self.lora, Path(path), self.rank)
         ckpt.save_hf(self.model, self.tokenizer, Path(path), self.rank, self.compute_dtype)
 
     def save_checkpoint(self, path: Path) -> None:
         ckpt.save(Path(path), self.model, self.optimizer, self.rank, {"step": self.step})
+        if self.lora is not None:  # each adapter also in peft's format, next to the trainer state
+            lora_mod.save_adapters(self.model, self.lora, Path(path) / "lora", self.rank)
 
     def load_checkpoint(self, path: Path) -> None:
         meta = ckpt.load(Path(path), self.model, self.optimizer, self.rank)

@@ -10,10 +10,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles_agent.errors import UserError
+
 
 def build_engines(cfg: Any, model: Any, tokenizer: Any) -> list[Any]:
     """The embedded torch engine: one in-process engine on ``model.device`` (the CPU default)."""
+    from miles_agent.engines.embedded import quant
     from miles_agent.engines.embedded.engine import EmbeddedEngine
 
-    return [EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device,
-                           true_on_policy=cfg.algo.true_on_policy)]
+    lora = getattr(cfg, "sections", {}).get("lora")
+    fmt = quant.check_format(cfg.rollout.weight_format)
+    if lora is not None and lora.enabled and fmt not in ("auto", "bf16"):
+        raise UserError(f"rollout.weight_format={fmt} with lora.rank > 0 is not implemented in the embedded "
+                        "engine (its LoRA layers hold the base weight unquantized); use one of the two")
+    quant.install(model, fmt)  # fp8 / mxfp8 / int4: requantized at every sync
+    rows = None
+    if lora is not None and lora.enabled:  # unmerged adapters, one per request (engines/embedded/lora.py)
+        from miles_agent.engines.embedded import lora as engine_lora
+
+        rows = engine_lora.install(model, lora.names, lora.rank, lora.scaling, lora.targets)
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device,
+                            true_on_policy=cfg.algo.true_on_policy)
+    if rows is not None:
+        engine_lora.attach(engine, rows)
+    return [engine]

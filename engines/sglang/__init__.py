@@ -44,6 +44,12 @@ def build_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> list[An
     from miles_agent.engines.sglang.client import SGLangEngine
     from miles_agent.engines.sglang.server import DEFAULT_LAUNCH, SGLangServer, free_port, server_argv
 
+    if getattr(cfg.sections.get("lora"), "enabled", False):
+        from miles_agent.errors import UserError
+
+        raise UserError("lora.rank > 0 with rollout.engine=sglang: the run loop has no adapter transport for "
+                        "SGLang yet (SGLangEngine.sync_lora_adapters loads peft folders by hand, docs/lora.md); "
+                        "use rollout.engine=embedded for LoRA runs")
     sg = cfg.sglang
     client = client_options(cfg, model)
     if sg.external_urls:

@@ -56,6 +56,7 @@ class SGLangEngine:
         self.router_url: str | None = None  # set once registered with a router; shutdown deregisters
         self.stats: dict[str, int] = {"requests": 0, "engine_errors": 0, "aborted": 0}
         self._version = 0
+        self._loras: dict[str, str] = {}  # adapters this client loaded (name -> folder)
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
@@ -216,6 +217,28 @@ class SGLangEngine:
         if not body.get("success", False):  # LoRAUpdateOutput: success, error_message, loaded_adapters
             raise WeightSyncError(f"{self.url}/load_lora_adapter: {body.get('error_message')}")
         return body
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        body = await self._post("/unload_lora_adapter", {"lora_name": lora_name})
+        if not body.get("success", False):
+            raise WeightSyncError(f"{self.url}/unload_lora_adapter: {body.get('error_message')}")
+        return body
+
+    async def update_weight_version(self, version: int) -> None:
+        """The server's weight version (what /generate reports) moved without a weight load (a LoRA sync)."""
+        await self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        self._version = int(version)
+
+    async def sync_lora_adapters(self, folders: dict[str, str], version: int) -> None:
+        """Serve ``folders`` (adapter name -> peft folder) as ``version``: each name unloaded if it is loaded
+        (SGLang refuses a name twice), then loaded from its folder."""
+        loaded = dict(self._loras)
+        for name, folder in folders.items():
+            if name in loaded:
+                await self.unload_lora_adapter(name)
+            body = await self.load_lora_adapter(name, folder)
+            self._loras = dict(body.get("loaded_adapters") or {name: folder})
+        await self.update_weight_version(version)
 
     async def get_model_info(self) -> dict[str, Any]:
         return await self._get("/get_model_info")

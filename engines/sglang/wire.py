@@ -30,6 +30,8 @@ def generate_payload(input_ids: list[int], sampling: SamplingParams, *, return_r
                                "return_logprob": True}
     if return_routed_experts:
         payload["return_routed_experts"] = True
+    if sampling.lora_path is not None:  # GenerateReqInput.lora_path: the loaded adapter serving this request
+        payload["lora_path"] = sampling.lora_path
     return payload
 
 

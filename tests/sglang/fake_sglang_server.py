@@ -92,6 +92,8 @@ class FakeSGLang:
         r.add_route("*", "/release_memory_occupation", self.release_memory)
         r.add_route("*", "/resume_memory_occupation", self.resume_memory)
         r.add_post("/load_lora_adapter", self.load_lora)
+        r.add_post("/unload_lora_adapter", self.unload_lora)
+        r.add_post("/update_weight_version", self.update_weight_version)
         r.add_get("/_fake/state", self.state)
         return app
 
@@ -112,8 +114,11 @@ class FakeSGLang:
         known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop", "sampling_seed"}
         if set(sp) - known:
             return error(f"unsupported sampling params in the fake: {sorted(set(sp) - known)}")
+        lora = body.get("lora_path")  # GenerateReqInput.lora_path: a loaded adapter's name
+        if lora is not None and lora not in self.loras:
+            return error(f"The following requested LoRA adapters are not loaded: {lora}")
         try:
-            sampling = SamplingParams(max_new_tokens=sp.get("max_new_tokens", 128),
+            sampling = SamplingParams(lora_path=lora, max_new_tokens=sp.get("max_new_tokens", 128),
                                       temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
                                       top_k=sp.get("top_k", -1), stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
                                       stop=tuple(sp.get("stop") or ()), seed=sp.get("sampling_seed"))
@@ -262,11 +267,54 @@ class FakeSGLang:
     async def load_lora(self, request: web.Request) -> web.Response:
         body = await _json(request)
         path = Path(body["lora_path"])
+        name = body["lora_name"]
         if not (path / "adapter_config.json").is_file():
-            return web.json_response({"success": False, "error_message": f"no adapter_config.json in {path}",
-                                      "loaded_adapters": dict(self.loras)}, status=400)
-        self.loras[body["lora_name"]] = str(path)
+            return self.lora_failure(f"no adapter_config.json in {path}")
+        if name in self.loras:  # LoRARegistry.register refuses a name twice: unload it first
+            return self.lora_failure(f"The LoRA adapter {name} is already loaded.")
+        if (path / "adapter_model.safetensors").is_file():  # served for real, unmerged, per request
+            self.serve_adapter(name, path)
+        self.loras[name] = str(path)
+        self.log("load_lora_adapter", name=name)
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.loras)})
+
+    def lora_failure(self, message: str) -> web.Response:
+        return web.json_response({"success": False, "error_message": message, "loaded_adapters": dict(self.loras)},
+                                 status=400)
+
+    def serve_adapter(self, name: str, path: Path) -> None:
+        """peft's files into the embedded engine's unmerged LoRA layers (engines/embedded/lora.py)."""
+        import json
+
+        from safetensors.torch import load_file
+
+        from miles_agent.engines.embedded import lora
+
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        rows = getattr(self.engine, "lora_rows", None)
+        if rows is None:
+            rows = lora.AdapterRows([])
+            lora.attach(self.engine, rows)
+        targets = cfg["target_modules"]
+        lora.add_adapter(self.engine.model, rows, name, cfg["r"], cfg["lora_alpha"] / cfg["r"],
+                         sorted(targets) if isinstance(targets, list) else [targets])
+        tensors = [(k.removeprefix("base_model.model.").replace(".lora_A.", f".lora_A.{name}.")
+                    .replace(".lora_B.", f".lora_B.{name}."), t) for k, t in load_file(str(path / "adapter_model.safetensors")).items()]
+        self.engine.runner.load_weights(tensors)
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        name = (await _json(request))["lora_name"]
+        if name not in self.loras:
+            return self.lora_failure(f"LoRA adapter {name} is not loaded.")
+        del self.loras[name]
+        self.log("unload_lora_adapter", name=name)
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.loras)})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _json(request)  # UpdateWeightVersionReqInput: new_version, abort_all_requests
+        self.engine._version = int(body["new_version"])
+        self.log("update_weight_version", version=body["new_version"])
+        return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}"})
 
 
 async def _json(request: web.Request) -> dict[str, Any]:

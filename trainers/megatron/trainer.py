@@ -43,8 +43,12 @@ class MegatronTrainer(PolicyTrainer):
     """Algorithm-blind policy trainer on Megatron-core (the step is ``PolicyTrainer``'s; these are its hooks)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, train: TrainConfig, algo: AlgoConfig, *,
-                 temperature: float = 1.0, device: str = "cpu", megatron: MegatronConfig | None = None) -> None:
+                 temperature: float = 1.0, device: str = "cpu", megatron: MegatronConfig | None = None,
+                 lora: Any = None) -> None:
         require("megatron.core", "megatron", "the Megatron-core trainer backend")
+        if lora is not None and lora.enabled:  # megatron-core ships no LoRA; its PEFT lives in Megatron-Bridge
+            raise UserError("lora.rank > 0 with train.backend=megatron needs Megatron-Bridge's PEFT "
+                            "(megatron.bridge.peft), which is not installed; use train.backend=fsdp2 for LoRA")
         from megatron.core import parallel_state as ps
 
         super().__init__(tokenizer, train, algo, temperature)
