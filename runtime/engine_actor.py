@@ -86,12 +86,14 @@ class EngineActor:
                 "pending": len(e._waiting) + len(e._running), "paused": e._paused,
                 "steps": e.stats["decode_steps"] + e.stats["prefill_batches"] + e.stats["failed_steps"],
                 "kv_cache_bytes": _nbytes(e.runner.k_cache) + _nbytes(e.runner.v_cache),
+                "prefix_cache_bytes": e.cache.nbytes(), "prefix_cache_hit_rate": e.cache_hit_rate,
                 "released": self.released}
 
     async def release_memory(self) -> None:
         """Colocation: stop, retract running requests (their KV cache goes), free the cache, weights to host."""
         await self.engine.pause(PauseMode.RETRACT)
         self.engine.runner.release()
+        self.engine.cache.clear()  # the prefix cache's KV is device memory too
         if self.engine.device.type == "cuda":
             import torch
 

@@ -60,6 +60,10 @@ class PrefixCache:
         self.root = _Node((), None, None, None, None)
         self.tokens = 0
 
+    def nbytes(self) -> int:
+        """Bytes of KV the tree holds."""
+        return sum(n.k.nbytes + n.v.nbytes for n in self._nodes() if n.k is not None and n.v is not None)
+
     def match(self, tokens: list[int], limit: int, need_routing: bool) -> tuple[int, list[tuple[_Node, int]]]:
         """The longest cached prefix of ``tokens[:limit]``: its length and the (node, tokens used) path."""
         node, pos, path = self.root, 0, []
