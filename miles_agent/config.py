@@ -58,6 +58,7 @@ class RolloutConfig:
     stale: str = "recycle"  # a sample past max_staleness: recycle (re-run with newer weights) | drop
     max_recycles: int = 3  # recycle: re-runs of one stale sample before it is dropped (stale_gave_up)
     partial_rollout: str = "keep"  # episodes in flight at an async weight update: keep | abort | retract
+    prefix_cache_mb: int = 1024  # embedded engine: KV kept to reuse prompt prefixes (turns, group samples); 0 = off
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,12 @@ from typing import Any
 def build_engines(cfg: Any, model: Any, tokenizer: Any) -> list[Any]:
     """The embedded torch engine: one in-process engine on ``model.device`` (the CPU default)."""
     from miles_agent.engines.embedded.engine import EmbeddedEngine
+    from miles_agent.errors import UserError
+
+    if cfg.rollout.prefix_cache_mb < 0:
+        raise UserError(f"rollout.prefix_cache_mb={cfg.rollout.prefix_cache_mb} is negative; set a size in MiB, "
+                        "or 0 to turn the embedded engine's prefix cache off")
 
     return [EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, device=cfg.model.device,
-                           true_on_policy=cfg.algo.true_on_policy)]
+                           true_on_policy=cfg.algo.true_on_policy,
+                           prefix_cache_bytes=cfg.rollout.prefix_cache_mb << 20)]

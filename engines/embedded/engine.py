@@ -75,15 +75,15 @@ class EmbeddedEngine:
     prefill_token_budget = 32768
     #: Longest span of one prompt prefilled in one step, so a long prompt does not stall the decoders.
     prefill_chunk_tokens = 1024
-    #: Default prefix-cache size, in bytes of KV, when ``prefix_cache_tokens`` is not given.
-    prefix_cache_bytes = 1 << 30
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_batch_size: int = 128,
                  device: str | torch.device = "cpu", max_seq_len: int | None = None,
                  weight_version: int = 0, true_on_policy: bool = False,
-                 prefix_cache_tokens: int | None = None) -> None:
+                 prefix_cache_bytes: int = 1 << 30) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0 (0 turns the prefix cache off), got {prefix_cache_bytes}")
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         max_seq_len = max_seq_len or limit
         if max_seq_len < 2:
@@ -106,8 +106,7 @@ class EmbeddedEngine:
                                           retractions=0, failed_steps=0, prompt_tokens=0, cached_tokens=0)
         r = self.runner
         per_token = 2 * len(r.layers) * r.num_kv_heads * r.head_dim * r.dtype.itemsize
-        self.cache = PrefixCache(self.prefix_cache_bytes // per_token if prefix_cache_tokens is None
-                                 else prefix_cache_tokens)  # 0 turns it off
+        self.cache = PrefixCache(prefix_cache_bytes // per_token)  # 0 bytes turns it off
         self._epoch = 0  # bumped by every weight update: KV from an older epoch never enters the cache
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []

@@ -65,7 +65,7 @@ def flat(turns: list[list]) -> list:
 
 
 def test_later_turns_reuse_the_history_with_the_same_logprobs(models):
-    cached, plain = engine_for(models), engine_for(models, prefix_cache_tokens=0)
+    cached, plain = engine_for(models), engine_for(models, prefix_cache_bytes=0)
     a, b = episodes(cached, 4), episodes(plain, 4)
     for x, y in zip(flat(a), flat(b)):
         assert x.output_ids == y.output_ids
@@ -79,7 +79,7 @@ def test_later_turns_reuse_the_history_with_the_same_logprobs(models):
 
 
 def test_a_groups_samples_compute_their_shared_prompt_once(models):
-    cached, plain = engine_for(models), engine_for(models, prefix_cache_tokens=0)
+    cached, plain = engine_for(models), engine_for(models, prefix_cache_bytes=0)
     prompt = prompts(1, 40, seed=3)[0]
 
     def group(engine):
@@ -99,7 +99,7 @@ def test_a_groups_samples_compute_their_shared_prompt_once(models):
 
 def test_true_on_policy_logprobs_stay_bitwise_equal(models):
     cached = engine_for(models, true_on_policy=True)
-    plain = engine_for(models, true_on_policy=True, prefix_cache_tokens=0)
+    plain = engine_for(models, true_on_policy=True, prefix_cache_bytes=0)
     a, b = episodes(cached, 3, n=2), episodes(plain, 3, n=2)
     assert cached.stats["cached_tokens"] > 0
     for x, y in zip(flat(a), flat(b)):
@@ -108,7 +108,7 @@ def test_true_on_policy_logprobs_stay_bitwise_equal(models):
 
 def test_routing_rows_of_cached_prompt_tokens_are_returned(models):
     cached = engine_for(models, "tiny-qwen3-moe")
-    plain = engine_for(models, "tiny-qwen3-moe", prefix_cache_tokens=0)
+    plain = engine_for(models, "tiny-qwen3-moe", prefix_cache_bytes=0)
     a, b = episodes(cached, 3, routed=True), episodes(plain, 3, routed=True)
     assert cached.stats["cached_tokens"] > 0
     for x, y in zip(flat(a), flat(b)):
@@ -119,7 +119,7 @@ def test_routing_rows_of_cached_prompt_tokens_are_returned(models):
 
 def test_a_prefix_cached_without_routing_is_not_reused_by_a_request_that_wants_it(models):
     engine = engine_for(models, "tiny-qwen3-moe")
-    plain = engine_for(models, "tiny-qwen3-moe", prefix_cache_tokens=0)
+    plain = engine_for(models, "tiny-qwen3-moe", prefix_cache_bytes=0)
     prompt = prompts(1, 30, seed=5)[0]
 
     async def main(e, routed):
@@ -181,7 +181,7 @@ def test_a_request_that_outlives_an_update_in_place_is_not_cached(models):
 
 
 def test_chunked_prefill_gives_the_same_result(models):
-    chunked, whole = engine_for(models), engine_for(models, prefix_cache_tokens=0)
+    chunked, whole = engine_for(models), engine_for(models, prefix_cache_bytes=0)
     chunked.prefill_chunk_tokens = 7
     a, b = episodes(chunked, 2, n=2), episodes(whole, 2, n=2)
     for x, y in zip(flat(a), flat(b)):
@@ -193,7 +193,7 @@ def test_chunked_prefill_gives_the_same_result(models):
 def test_retract_and_abort_keep_working_with_the_cache(models):
     engine = engine_for(models)
     prompt = prompts(1, 20, seed=4)[0]
-    plain = engine_for(models, prefix_cache_tokens=0)
+    plain = engine_for(models, prefix_cache_bytes=0)
 
     async def main(e, retract):
         task = asyncio.create_task(e.generate(prompt, SamplingParams(max_new_tokens=30, temperature=0)))
