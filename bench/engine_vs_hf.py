@@ -15,7 +15,8 @@ equal; the figure is generated tokens per second of wall time, and the ratios ar
 ``--peers`` prints min / median / max of engine / HF (batched generate over the whole context each
 turn) per turn count, the engine's prefix-cache hit rate, the machine load beside them, and a table of
 cost against work: the engine's decode step against batch size and sequence length, and each turn's
-wall time against the turn number for both sides.
+wall time against the turn number for both sides. On shared cores it also prints the ratio of process
+CPU time, which the other jobs' load disturbs less than wall time.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def peers(engine: EmbeddedEngine, model, a: argparse.Namespace) -> None:  # noqa
     """The peers' multi-turn workload, engine and HF interleaved in each repeat (see module docstring)."""
     global OBS
     OBS = 32
-    turn_counts, ratios, hits = (4, 8), {4: [], 8: []}, {4: [], 8: []}
+    turn_counts, ratios, hits, cpu_ratios = (4, 8), {4: [], 8: []}, {4: [], 8: []}, {4: [], 8: []}
     per_turn: dict[str, list[list[float]]] = {"engine": [], "hf": []}
     prompts = make_prompts(16, a.prompt_len, seed=0)
     print(f"peers' workload: 16 episodes, ~{a.prompt_len}-token prompts, +32 observation and 32 sampled tokens "
@@ -123,12 +124,13 @@ def peers(engine: EmbeddedEngine, model, a: argparse.Namespace) -> None:  # noqa
             engine.cache.clear()  # each run starts cold: nothing from the previous repeat
             before = dict(engine.stats)
             times: dict[str, list[float]] = {"engine": [], "hf": []}
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run_engine(engine, prompts, turns, 32, times["engine"])
-            t_engine = time.perf_counter() - t0
-            t0 = time.perf_counter()
+            t_engine, c_engine = time.perf_counter() - t0, time.process_time() - c0
+            t0, c0 = time.perf_counter(), time.process_time()
             run_hf_batched(model, prompts, turns, 32, times["hf"])
-            t_hf = time.perf_counter() - t0
+            t_hf, c_hf = time.perf_counter() - t0, time.process_time() - c0
+            cpu_ratios[turns].append(c_hf / c_engine)
             prompt = engine.stats["prompt_tokens"] - before["prompt_tokens"]
             hits[turns].append((engine.stats["cached_tokens"] - before["cached_tokens"]) / max(1, prompt))
             ratios[turns].append(t_hf / t_engine)
@@ -136,11 +138,12 @@ def peers(engine: EmbeddedEngine, model, a: argparse.Namespace) -> None:  # noqa
                 per_turn["engine"].append(times["engine"])
                 per_turn["hf"].append(times["hf"])
             print(f"  repeat {rep} x{turns} turns: engine {t_engine:6.2f} s  hf {t_hf:6.2f} s  "
-                  f"ratio {t_hf / t_engine:5.2f}x  load {os.getloadavg()[0]:.2f}")
+                  f"ratio {t_hf / t_engine:5.2f}x  (CPU time {c_hf / c_engine:5.2f}x)  load {os.getloadavg()[0]:.2f}")
     for turns in turn_counts:
         r = sorted(ratios[turns])
         print(f"  {turns} turns: engine / hf min {r[0]:.2f}x  median {statistics.median(r):.2f}x  max {r[-1]:.2f}x"
-              f"  cache hit rate {statistics.median(hits[turns]):.1%}")
+              f"  cache hit rate {statistics.median(hits[turns]):.1%}  (CPU-time ratio median "
+              f"{statistics.median(cpu_ratios[turns]):.2f}x)")
     print(f"  load avg after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
     print("  cost vs turns (median seconds per turn, 16 episodes):")
     print("    turn  context   engine      hf")
