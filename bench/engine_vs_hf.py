@@ -9,6 +9,14 @@ equal; the figure is generated tokens per second of wall time, and the ratios ar
 
     python bench/engine_vs_hf.py            # 32 episodes x 2 turns, ~100-token prompts, 64 new tokens
     python bench/engine_vs_hf.py --quick    # a few seconds
+    python bench/engine_vs_hf.py --peers    # the peers' workload: 16 episodes x 4 and x 8 turns, each turn
+                                            # +32 observation tokens, 32 sampled; 3 interleaved repeats
+
+``--peers`` prints min / median / max of engine / HF (batched generate over the whole context each
+turn) per turn count, the engine's prefix-cache hit rate, the machine load beside them, and a table of
+cost against work: the engine's decode step against batch size and sequence length, and each turn's
+wall time against the turn number for both sides. On shared cores it also prints the ratio of process
+CPU time, which the other jobs' load disturbs less than wall time.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import os
+import statistics
 import time
 
 import torch
@@ -31,19 +41,26 @@ def make_prompts(n: int, mean_len: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
 
 
+OBS = 16  # observation tokens appended per turn (--peers: 32)
+
+
 def next_turn(histories: list[list[int]], replies: list[list[int]], seed: int) -> list[list[int]]:
-    """History + the reply + a 16-token observation, as an agent harness would send next."""
-    obs = make_prompts(len(histories), 16, seed)
+    """History + the reply + an observation of about ``OBS`` tokens, as an agent harness would send next."""
+    obs = make_prompts(len(histories), OBS, seed)
     return [h + r + o for h, r, o in zip(histories, replies, obs)]
 
 
-def run_engine(engine: EmbeddedEngine, prompts: list[list[int]], turns: int, new: int) -> int:
+def run_engine(engine: EmbeddedEngine, prompts: list[list[int]], turns: int, new: int,
+               turn_times: list[float] | None = None) -> int:
     sampling = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=0.95)
 
     async def main() -> int:
         hist, total = prompts, 0
         for turn in range(turns):
+            t0 = time.perf_counter()
             outs = await asyncio.gather(*[engine.generate(h, sampling) for h in hist])
+            if turn_times is not None:
+                turn_times.append(time.perf_counter() - t0)
             total += sum(len(o.output_ids) for o in outs)
             hist = next_turn(hist, [o.output_ids for o in outs], seed=100 + turn)
         return total
@@ -72,10 +89,12 @@ def run_hf_sequential(model, prompts: list[list[int]], turns: int, new: int) -> 
 
 
 @torch.inference_mode()
-def run_hf_batched(model, prompts: list[list[int]], turns: int, new: int) -> int:
+def run_hf_batched(model, prompts: list[list[int]], turns: int, new: int,
+                   turn_times: list[float] | None = None) -> int:
     pad = model.generation_config.pad_token_id
     hist, total = prompts, 0
     for turn in range(turns):
+        t0 = time.perf_counter()
         width = max(len(h) for h in hist)
         ids = torch.full((len(hist), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -84,9 +103,78 @@ def run_hf_batched(model, prompts: list[list[int]], turns: int, new: int) -> int
             mask[i, width - len(h):] = 1
         out = model.generate(ids, attention_mask=mask, **hf_kwargs(model, new))[:, width:]
         replies = out.tolist()
+        if turn_times is not None:
+            turn_times.append(time.perf_counter() - t0)
         total += sum(len(r) for r in replies)
         hist = next_turn(hist, replies, seed=100 + turn)
     return total
+
+
+def peers(engine: EmbeddedEngine, model, a: argparse.Namespace) -> None:  # noqa: ANN001
+    """The peers' multi-turn workload, engine and HF interleaved in each repeat (see module docstring)."""
+    global OBS
+    OBS = 32
+    turn_counts, ratios, hits, cpu_ratios = (4, 8), {4: [], 8: []}, {4: [], 8: []}, {4: [], 8: []}
+    per_turn: dict[str, list[list[float]]] = {"engine": [], "hf": []}
+    prompts = make_prompts(16, a.prompt_len, seed=0)
+    print(f"peers' workload: 16 episodes, ~{a.prompt_len}-token prompts, +32 observation and 32 sampled tokens "
+          f"per turn, {a.repeat} interleaved repeats; load avg before {os.getloadavg()[0]:.2f}")
+    for rep in range(a.repeat):
+        for turns in turn_counts:
+            engine.cache.clear()  # each run starts cold: nothing from the previous repeat
+            before = dict(engine.stats)
+            times: dict[str, list[float]] = {"engine": [], "hf": []}
+            t0, c0 = time.perf_counter(), time.process_time()
+            run_engine(engine, prompts, turns, 32, times["engine"])
+            t_engine, c_engine = time.perf_counter() - t0, time.process_time() - c0
+            t0, c0 = time.perf_counter(), time.process_time()
+            run_hf_batched(model, prompts, turns, 32, times["hf"])
+            t_hf, c_hf = time.perf_counter() - t0, time.process_time() - c0
+            cpu_ratios[turns].append(c_hf / c_engine)
+            prompt = engine.stats["prompt_tokens"] - before["prompt_tokens"]
+            hits[turns].append((engine.stats["cached_tokens"] - before["cached_tokens"]) / max(1, prompt))
+            ratios[turns].append(t_hf / t_engine)
+            if turns == max(turn_counts):
+                per_turn["engine"].append(times["engine"])
+                per_turn["hf"].append(times["hf"])
+            print(f"  repeat {rep} x{turns} turns: engine {t_engine:6.2f} s  hf {t_hf:6.2f} s  "
+                  f"ratio {t_hf / t_engine:5.2f}x  (CPU time {c_hf / c_engine:5.2f}x)  load {os.getloadavg()[0]:.2f}")
+    for turns in turn_counts:
+        r = sorted(ratios[turns])
+        print(f"  {turns} turns: engine / hf min {r[0]:.2f}x  median {statistics.median(r):.2f}x  max {r[-1]:.2f}x"
+              f"  cache hit rate {statistics.median(hits[turns]):.1%}  (CPU-time ratio median "
+              f"{statistics.median(cpu_ratios[turns]):.2f}x)")
+    print(f"  load avg after {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
+    print("  cost vs turns (median seconds per turn, 16 episodes):")
+    print("    turn  context   engine      hf")
+    for t in range(max(turn_counts)):
+        ctx = a.prompt_len + t * 64
+        e = statistics.median(run[t] for run in per_turn["engine"])
+        h = statistics.median(run[t] for run in per_turn["hf"])
+        print(f"    {t + 1:4d}  {ctx:7d}  {e:7.3f}  {h:7.3f}")
+    step_table(engine)
+
+
+@torch.inference_mode()
+def step_table(engine: EmbeddedEngine) -> None:
+    """The engine's decode step (forward + cache write, no sampling) against batch size and length."""
+    runner = engine.runner
+
+    def step_ms(batch: int, length: int, reps: int = 10) -> float:
+        slots = list(range(batch))
+        runner.prefill(slots, make_prompts(batch, length, seed=batch)[:batch], False)
+        tokens, positions = [1] * batch, [length] * batch
+        runner.decode(slots, tokens, positions, False)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            runner.decode(slots, tokens, positions, False)
+        return (time.perf_counter() - t0) / reps * 1e3
+
+    print("  cost vs batch size (decode step ms, context 256):  "
+          + "  ".join(f"B={b}: {step_ms(b, 256):.2f}" for b in (1, 4, 16, 32)))
+    print("  cost vs sequence length (decode step ms, batch 16):  "
+          + "  ".join(f"T={t}: {step_ms(16, t):.2f}" for t in (64, 256, 1024)))
+    runner.release()
 
 
 def best_of(repeat: int, fn, *args) -> tuple[float, int]:  # noqa: ANN001
@@ -114,6 +202,7 @@ def main() -> None:
                     help="torch intra-op threads for all three (default 1: with 2+ threads on shared cores, "
                          "OpenMP barriers made HF generate 5-15x slower from run to run)")
     ap.add_argument("--quick", action="store_true", help="8 episodes, 1 turn, 16 new tokens, 1 run")
+    ap.add_argument("--peers", action="store_true", help="the peers' 4- and 8-turn workload (module docstring)")
     a = ap.parse_args()
     if a.quick:
         a.episodes, a.seq_episodes, a.turns, a.new, a.repeat = 8, 4, 1, 16, 1
@@ -126,6 +215,8 @@ def main() -> None:
     prompts = make_prompts(a.episodes, a.prompt_len, seed=0)
     run_engine(engine, make_prompts(2, 8, seed=1), 1, 2)  # warm-up (thread pool, allocator)
     engine.stats.update(dict.fromkeys(engine.stats, 0))
+    if a.peers:
+        return peers(engine, model, a)
     print(f"{a.arch} on {a.device}: {a.episodes} episodes x {a.turns} turns, ~{a.prompt_len}-token prompts, "
           f"{a.new} new tokens, torch threads {torch.get_num_threads()}, best of {a.repeat}")
     results = {

@@ -63,6 +63,7 @@ class RolloutConfig:
     function: str = ""  # module:async fn(ctx) -> list[Trajectory], replaces episode generation for a step
     # The embedded engine's weights, quantized at each sync (docs/precision.md): auto | bf16 | fp8 | mxfp8 | int4
     weight_format: str = "auto"
+    prefix_cache_mb: int = 1024  # embedded engine: KV kept to reuse prompt prefixes (turns, group samples); 0 = off
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ class EngineActor:
     """Wrapped with ``ray.remote`` by ``remote_engine_class``; plain class so it stays importable without Ray."""
 
     def __init__(self, model: Any, tokenizer: Any, max_batch_size: int, device: str, weight_version: int = 0,
-                 true_on_policy: bool = False) -> None:
+                 true_on_policy: bool = False, prefix_cache_bytes: int = 1 << 30) -> None:
         import torch
 
         from miles_agent.engines.embedded.engine import EmbeddedEngine
@@ -30,7 +30,8 @@ class EngineActor:
         torch.set_num_threads(1)  # tiny CPU engines share cores with the trainer ranks
         self.device = device
         self.engine = EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, device=device,
-                                  weight_version=weight_version, true_on_policy=true_on_policy)
+                                  weight_version=weight_version, true_on_policy=true_on_policy,
+                                  prefix_cache_bytes=prefix_cache_bytes)
         self.released = False
         self.receiver = InProcessReceiver(self.engine)  # SGLang's weight-update API over this engine
         # Ray runs an async actor's calls concurrently; SGLang serves weight updates one at a time, in order
@@ -86,12 +87,14 @@ class EngineActor:
                 "pending": len(e._waiting) + len(e._running), "paused": e._paused,
                 "steps": e.stats["decode_steps"] + e.stats["prefill_batches"] + e.stats["failed_steps"],
                 "kv_cache_bytes": _nbytes(e.runner.k_cache) + _nbytes(e.runner.v_cache),
+                "prefix_cache_bytes": e.cache.nbytes(), "prefix_cache_hit_rate": e.cache_hit_rate,
                 "released": self.released}
 
     async def release_memory(self) -> None:
         """Colocation: stop, retract running requests (their KV cache goes), free the cache, weights to host."""
         await self.engine.pause(PauseMode.RETRACT)
         self.engine.runner.release()
+        self.engine.cache.clear()  # the prefix cache's KV is device memory too
         if self.engine.device.type == "cuda":
             import torch
 

@@ -133,7 +133,8 @@ class RayCluster:
 
         def spawn(i: int) -> Any:
             return cls.options(**sess.placement.engine_options(i)).remote(
-                model_ref, tok_ref, r.max_batch_size, cfg.model.device, true_on_policy=cfg.algo.true_on_policy)
+                model_ref, tok_ref, r.max_batch_size, cfg.model.device, true_on_policy=cfg.algo.true_on_policy,
+                prefix_cache_bytes=r.prefix_cache_mb << 20)
 
         sess.engines = EngineSupervisor(spawn, c.num_engines, health_check_interval_s=c.health_check_interval_s,
                                         health_check_timeout_s=c.health_check_timeout_s,

@@ -19,6 +19,14 @@ per MoE layer, prompt tokens included; a request that asks gets int32
 ``(prompt_len + len(output_ids) - 1, moe_layers, top_k)`` as SGLang returns it. A retracted request
 is re-prefilled, and the re-prefill's routing replaces the earlier rows.
 
+Prefix cache: finished requests and prefilled prompts leave their KV in a radix tree
+(`miles_agent.engines.embedded.prefix_cache`), so an episode's next turn prefills only what it appended
+and a group's n samples compute their shared prompt once (a request whose prompt is being prefilled
+waits one step, then copies it). The cached KV gives the same logprobs (bitwise in true on-policy
+mode), keeps R3 routing rows beside it, and is dropped on every weight update. Long prompts are
+prefilled in chunks of ``prefill_chunk_tokens`` between decode steps. ``cache_hit_rate`` = prompt
+tokens reused / prompt tokens admitted.
+
 EOS: like SGLang (without ``ignore_eos``), the model's EOS ids stop generation (finish ``stop``, EOS
 kept) in addition to the request's ``stop_token_ids``.
 
@@ -48,6 +56,7 @@ from miles_agent.engine import (
     check_score_request,
 )
 from miles_agent.engines.embedded.model_runner import ModelRunner
+from miles_agent.engines.embedded.prefix_cache import PrefixCache
 from miles_agent.engines.embedded.sequence import Sequence
 
 _ids = itertools.count()
@@ -57,18 +66,24 @@ class EmbeddedEngine:
     """In-process rollout engine with its own KV cache and continuous batching (see module docstring).
 
     ``stats`` counts decode steps and decoded sequences (their ratio is ``mean_decode_batch``), prefill
-    batches / sequences / tokens, generated tokens, retractions and failed steps. ``eos_ids`` are the
+    batches / sequences / tokens (tokens computed), prompt tokens admitted and the ones the prefix cache
+    supplied, generated tokens, retractions and failed steps. ``eos_ids`` are the
     ids that always stop a request; benchmarks that need fixed-length outputs may set it empty.
     """
 
     #: Padded prefill batch budget (batch x longest prompt), so one admission does not allocate without bound.
     prefill_token_budget = 32768
+    #: Longest span of one prompt prefilled in one step, so a long prompt does not stall the decoders.
+    prefill_chunk_tokens = 1024
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_batch_size: int = 128,
                  device: str | torch.device = "cpu", max_seq_len: int | None = None,
-                 weight_version: int = 0, true_on_policy: bool = False) -> None:
+                 weight_version: int = 0, true_on_policy: bool = False,
+                 prefix_cache_bytes: int = 1 << 30) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0 (0 turns the prefix cache off), got {prefix_cache_bytes}")
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         max_seq_len = max_seq_len or limit
         if max_seq_len < 2:
@@ -88,7 +103,11 @@ class EmbeddedEngine:
         self._version = int(weight_version)
         self.stats: dict[str, int] = dict(decode_steps=0, decoded_sequences=0, prefill_batches=0,
                                           prefilled_sequences=0, prefill_tokens=0, generated_tokens=0,
-                                          retractions=0, failed_steps=0)
+                                          retractions=0, failed_steps=0, prompt_tokens=0, cached_tokens=0)
+        r = self.runner
+        per_token = 2 * len(r.layers) * r.num_kv_heads * r.head_dim * r.dtype.itemsize
+        self.cache = PrefixCache(prefix_cache_bytes // per_token)  # 0 bytes turns it off
+        self._epoch = 0  # bumped by every weight update: KV from an older epoch never enters the cache
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._free_slots = list(range(max_batch_size))  # a min-heap: the lowest free slot goes first
@@ -113,6 +132,11 @@ class EmbeddedEngine:
     def mean_decode_batch(self) -> float:
         """Average number of sequences per decode step: > 1 means requests really were batched."""
         return self.stats["decoded_sequences"] / max(1, self.stats["decode_steps"])
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Prompt tokens the prefix cache supplied / prompt tokens admitted (re-prefills included)."""
+        return self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"])
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None, *,
                        return_routed_experts: bool = False) -> Completion:
@@ -188,6 +212,8 @@ class EmbeddedEngine:
         items = list(named_tensors)
         async with self._lock:
             await asyncio.to_thread(self.runner.load_weights, items)
+            self._epoch += 1
+            self.cache.clear()  # everything cached was computed by the old weights
             self._version = int(version)
 
     async def health(self) -> bool:
@@ -213,6 +239,7 @@ class EmbeddedEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self.runner.release()
+        self.cache.clear()
 
     # -- request checks --------------------------------------------------------------------------------
     def _check_request(self, input_ids: list[int], sampling: SamplingParams, routed: bool) -> list[int]:
@@ -277,38 +304,84 @@ class EmbeddedEngine:
             self._resolve()
             raise
 
-    def _admit(self) -> list[Sequence]:
-        """Move waiting requests into free slots, FIFO, within the padded prefill budget."""
-        admitted: list[Sequence] = []
+    def _admit(self) -> list[tuple[Sequence, list]]:
+        """Move waiting requests into free slots, FIFO, within the padded prefill budget, each with its
+        cached prefix (the tree path). A request whose whole prompt another one is about to prefill is
+        held back a step, so it copies that KV instead of computing it (a group's shared prompt)."""
+        admitted: list[tuple[Sequence, list]] = []
+        held: list[Sequence] = []
+        pending = {tuple(s.tokens) for s in self._running if not s.prefilled} if self.cache.max_tokens else set()
         longest = 0
         while self._waiting and self._free_slots:
-            seq = self._waiting[0]
-            longest = max(longest, len(seq.tokens))
+            seq = self._waiting.popleft()
+            tokens = seq.tokens
+            hit, path = self.cache.match(tokens, len(tokens) - 1, seq.want_routing)
+            key = tuple(tokens)
+            if hit < len(tokens) - 1 and key in pending:
+                held.append(seq)
+                continue
+            longest = max(longest, min(len(tokens) - hit, self.prefill_chunk_tokens))
             if admitted and longest * (len(admitted) + 1) > self.prefill_token_budget:
+                self._waiting.appendleft(seq)
                 break
-            self._waiting.popleft()
-            seq.slot = heapq.heappop(self._free_slots)
-            admitted.append(seq)
+            if self.cache.max_tokens:
+                pending.add(key)
+            seq.slot, seq.kv_epoch = heapq.heappop(self._free_slots), self._epoch
+            self.stats["prompt_tokens"] += len(tokens)
+            self.stats["cached_tokens"] += hit
+            admitted.append((seq, path))
             self._running.append(seq)
+        self._waiting.extendleft(reversed(held))
         return admitted
 
-    def _step(self, admitted: list[Sequence]) -> None:
-        """Worker-thread body: prefill the admitted batch, then one decode step for all running sequences.
+    def _step(self, admitted: list[tuple[Sequence, list]]) -> None:
+        """Worker-thread body: copy in cached prefixes, prefill (a chunk of) every sequence not yet
+        prefilled, one decode step for all prefilled ones, then cache the KV of the finished ones.
 
         Errors fail only the sequences of the phase that raised; the engine keeps serving.
         """
-        if admitted:
+        for seq, path in admitted:
+            if path:
+                try:
+                    k, v, rows = self.cache.gather(path)
+                    self.runner.write_prefix(seq.slot, k, v)
+                    seq.cache_len = k.shape[2]
+                    if seq.want_routing and rows is not None:
+                        seq.set_routing(0, rows)
+                except Exception as e:  # noqa: BLE001 - handed to the request's future
+                    self._fail([seq], e)
+        todo = [s for s in self._running if not s.prefilled and s.finish is None and s.error is None
+                and s.slot is not None]
+        if todo:
+            chunk, longest = [], 0
+            for seq in todo:  # FIFO within the padded budget; the rest go on in the next step
+                longest = max(longest, min(len(seq.tokens) - seq.cache_len, self.prefill_chunk_tokens))
+                if chunk and longest * (len(chunk) + 1) > self.prefill_token_budget:
+                    break
+                chunk.append(seq)
             try:
-                self._prefill(admitted)
+                self._prefill(chunk)
             except Exception as e:  # noqa: BLE001 - handed to the requests' futures
-                self._fail(admitted, e)
-        batch = sorted((s for s in self._running if s.finish is None and s.error is None and s.slot is not None),
-                       key=lambda s: s.slot)
+                self._fail(chunk, e)
+        batch = sorted((s for s in self._running if s.prefilled and s.finish is None and s.error is None
+                        and s.slot is not None), key=lambda s: s.slot)
         if batch:
             try:
                 self._decode(batch)
             except Exception as e:  # noqa: BLE001 - handed to the requests' futures
                 self._fail(batch, e)
+        for seq in self._running:
+            if seq.finish is not None and seq.error is None and seq.prefilled:
+                self._remember(seq)
+
+    def _remember(self, seq: Sequence) -> None:
+        """Put a sequence's KV (``tokens[:cache_len]``) and routing rows into the prefix cache, when
+        the current weights computed all of it."""
+        if not self.cache.max_tokens or seq.kv_epoch != self._epoch or seq.slot is None:
+            return
+        n, slot = seq.cache_len, seq.slot
+        rows = seq.routing[:n] if seq.want_routing and seq.routing is not None and seq.routing_rows >= n else None
+        self.cache.insert(seq.tokens[:n], lambda a, b: self.runner.read_kv(slot, a, b), rows)
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> None:
         self.stats["failed_steps"] += 1
@@ -316,17 +389,27 @@ class EmbeddedEngine:
             seq.error = seq.error or error
 
     def _prefill(self, seqs: list[Sequence]) -> None:
+        """The next chunk of each sequence's tokens after its cache; those whose prompt is then all
+        in sample their first token and leave the prompt's KV in the prefix cache."""
         record = any(s.want_routing for s in seqs)
-        token_lists = [s.tokens for s in seqs]
-        logits, routing = self.runner.prefill([s.slot for s in seqs], token_lists, record)
+        starts = [s.cache_len for s in seqs]
+        spans = [s.tokens[st: st + self.prefill_chunk_tokens] for s, st in zip(seqs, starts)]
+        logits, routing = self.runner.prefill([s.slot for s in seqs], spans, record, starts)
         self.stats["prefill_batches"] += 1
-        self.stats["prefilled_sequences"] += len(seqs)
-        self.stats["prefill_tokens"] += sum(len(t) for t in token_lists)
+        self.stats["prefill_tokens"] += sum(len(t) for t in spans)
+        done = []
         for b, seq in enumerate(seqs):
-            seq.cache_len = len(token_lists[b])
             if routing is not None and seq.want_routing:
-                seq.set_routing(0, routing[b, : seq.cache_len])
-        self._sample_into(seqs, logits)
+                seq.set_routing(starts[b], routing[b, : len(spans[b])])
+            seq.cache_len += len(spans[b])
+            if seq.cache_len == len(seq.tokens):
+                seq.prefilled = True
+                done.append(b)
+        self.stats["prefilled_sequences"] += len(done)
+        for b in done:
+            self._remember(seqs[b])
+        if done:
+            self._sample_into([seqs[b] for b in done], logits[done])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         record = any(s.want_routing for s in seqs)
@@ -378,7 +461,7 @@ class EmbeddedEngine:
         if seq.slot is not None:
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = None
-        seq.cache_len = 0
+        seq.cache_len, seq.prefilled = 0, False
 
     def _retract_running(self) -> None:
         """Drop the running sequences' KV cache and queue them first for re-prefill on resume."""

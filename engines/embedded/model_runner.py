@@ -145,32 +145,60 @@ class ModelRunner:
         return torch.stack(routing, dim=-2).to(torch.int32).cpu().numpy()  # [..., moe_layers, top_k]
 
     @torch.inference_mode()
-    def prefill(self, slots: list[int], seqs: list[list[int]],
-                record_routing: bool) -> tuple[torch.Tensor, np.ndarray | None]:
-        """Run whole sequences into their (empty) slots, padded to one batch.
+    def prefill(self, slots: list[int], seqs: list[list[int]], record_routing: bool,
+                starts: list[int] | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Run token spans into their slots, padded to one batch: ``seqs[b]`` goes at positions
+        ``starts[b]...``, attending to the slot's cache before it (a cached prefix or an earlier chunk).
 
-        Returns float32 logits of each sequence's last token [B, V] and, when asked and the model is
-        MoE, the routed expert ids int32 [B, T_max, moe_layers, top_k] (rows past a sequence's length
+        Returns float32 logits of each span's last token [B, V] and, when asked and the model is
+        MoE, the routed expert ids int32 [B, T_max, moe_layers, top_k] (rows past a span's length
         are padding).
         """
+        starts = starts or [0] * len(seqs)
         lens = torch.tensor([len(s) for s in seqs], device=self.device)
         batch, length = len(seqs), max(len(s) for s in seqs)
-        self.ensure_capacity(max(slots) + 1, length)
+        span = max(st + len(s) for st, s in zip(starts, seqs))
+        self.ensure_capacity(max(slots) + 1, max(span, length))
         ids = torch.tensor([s + [0] * (length - len(s)) for s in seqs], dtype=torch.long, device=self.device)
-        positions = torch.arange(length, device=self.device).expand(batch, length)
-        causal = torch.ones((length, length), dtype=torch.bool, device=self.device).tril()
-        mask = (causal[None] & (positions < lens[:, None])[:, None, :])[:, None]  # [B, 1, T, T]
+        offsets = torch.tensor(starts, device=self.device)
+        positions = offsets[:, None] + torch.arange(length, device=self.device)[None]
         slot_idx = torch.tensor(slots, device=self.device)
+        if any(starts):  # keys come from the cache: write the valid rows, then read each slot's span
+            valid_b, valid_t = (torch.arange(length, device=self.device)[None] < lens[:, None]).nonzero(as_tuple=True)
+            w_slot, w_pos = slot_idx[valid_b], positions[valid_b, valid_t]
+            mask = (torch.arange(span, device=self.device)[None, None] <= positions[:, :, None])[:, None]
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k_cache[i, slot_idx, :, :length] = k
-            self.v_cache[i, slot_idx, :, :length] = v
-            return self._sdpa(q, k, v, mask, positions)
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                self.k_cache[i, w_slot, :, w_pos] = k.transpose(1, 2)[valid_b, valid_t]
+                self.v_cache[i, w_slot, :, w_pos] = v.transpose(1, 2)[valid_b, valid_t]
+                keys = self.k_cache[i, :, :, :span].index_select(0, slot_idx)
+                values = self.v_cache[i, :, :, :span].index_select(0, slot_idx)
+                return self._sdpa(q, keys, values, mask, positions)
+        else:
+            causal = torch.ones((length, length), dtype=torch.bool, device=self.device).tril()
+            mask = (causal[None] & (positions < lens[:, None])[:, None, :])[:, None]  # [B, 1, T, T]
+
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                self.k_cache[i, slot_idx, :, :length] = k
+                self.v_cache[i, slot_idx, :, :length] = v
+                return self._sdpa(q, k, v, mask, positions)
 
         routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
         h = self._forward(ids, positions, attend, routing)
         last = h[torch.arange(batch, device=self.device), lens - 1]
         return self._logits(last), self._routing_rows(routing)
+
+    @torch.inference_mode()
+    def write_prefix(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy a cached prefix's KV ``[layers, kv_heads, n, head_dim]`` into positions ``0:n`` of a slot."""
+        n = k.shape[2]
+        self.ensure_capacity(slot + 1, n + 1)
+        self.k_cache[:, slot, :, :n] = k
+        self.v_cache[:, slot, :, :n] = v
+
+    def read_kv(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of a slot's KV at positions ``start:end`` (callers copy what they keep)."""
+        return self.k_cache[:, slot, :, start:end], self.v_cache[:, slot, :, start:end]
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int],

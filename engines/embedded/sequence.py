@@ -17,8 +17,9 @@ from miles_agent.engines.embedded.sampling import make_generator
 class Sequence:
     """A request from enqueue to completion.
 
-    Invariant while it holds a KV-cache slot: the cache covers ``tokens[:cache_len]`` and
-    ``cache_len == len(tokens) - 1`` between steps (the last sampled token is the next decode input).
+    Invariant while it holds a KV-cache slot: the cache covers ``tokens[:cache_len]``; once
+    ``prefilled`` (its prompt -- a cached prefix, then chunks -- went through), ``cache_len ==
+    len(tokens) - 1`` between steps (the last sampled token is the next decode input).
     """
 
     rid: int
@@ -43,6 +44,8 @@ class Sequence:
     routing: np.ndarray | None = None  # int32 [rows, moe_layers, top_k], rows = tokens that went through
     routing_rows: int = 0
     generator: torch.Generator | None = None
+    prefilled: bool = False
+    kv_epoch: int = -1  # the engine's weight epoch when this slot's KV began (the prefix cache takes only current KV)
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.device, self.sampling.seed)

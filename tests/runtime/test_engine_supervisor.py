@@ -100,10 +100,12 @@ def test_colocated_engines_release_memory_for_training_and_take_it_back_at_the_w
     async def main():
         await sup.generate(PROMPT, GREEDY)
         actor = sup._slots[0].actor
-        assert (await actor.probe.remote())["kv_cache_bytes"] > 0
+        probe = await actor.probe.remote()
+        assert probe["kv_cache_bytes"] > 0 and probe["prefix_cache_bytes"] > 0
         sup.release_memory()
         probe = await actor.probe.remote()
-        assert probe["kv_cache_bytes"] == 0 and probe["released"] and probe["paused"]
+        assert probe["kv_cache_bytes"] == 0 and probe["prefix_cache_bytes"] == 0
+        assert probe["released"] and probe["paused"]
         assert (await sup.push_weights(perturbed(tiny[0], 0.1), version=1))["engine_memory_resumed"] == 1
         probe = await actor.probe.remote()
         assert not probe["released"] and not probe["paused"] and probe["weight_version"] == 1
