@@ -31,7 +31,7 @@ class Range:
 ANY, POS, NONNEG, ONE_UP, UNIT = Range(), Range(0, low_open=True), Range(0), Range(1), Range(0, 1)
 
 RANGES: dict[str, Range] = {
-    "rollout.prompts_per_step": ONE_UP, "rollout.samples_per_prompt": ONE_UP, "rollout.temperature": NONNEG,
+    "rollout.prompts_per_step": ONE_UP, "rollout.prefix_cache_mb": Range(0, what="0 = off"), "rollout.samples_per_prompt": ONE_UP, "rollout.temperature": NONNEG,
     "rollout.top_p": Range(0, 1, low_open=True), "rollout.top_k": Range(-1, what="-1 or 0 = off"),
     "rollout.max_batch_size": ONE_UP, "rollout.concurrency": ONE_UP, "rollout.max_staleness": NONNEG,
     "rollout.max_recycles": NONNEG, "train.lr": POS, "train.lr_warmup_steps": NONNEG,
@@ -39,7 +39,7 @@ RANGES: dict[str, Range] = {
     "train.betas": Range(0, 1, high_open=True), "train.adam_eps": POS,
     "train.grad_clip": Range(what="<= 0 = no clipping"), "train.micro_batch_tokens": ONE_UP,
     "train.mini_batches": ONE_UP, "train.ppo_epochs": ONE_UP, "train.world_size": ONE_UP,
-    "train.logits_chunk_tokens": Range(0, what="0 = unchunked"), "algo.gamma": UNIT, "algo.gae_lambda": UNIT,
+    "train.logits_chunk_tokens": Range(0, what="0 = unchunked"), "algo.gamma": UNIT, "algo.turn_discount": UNIT, "algo.overlong_weight": UNIT, "algo.gae_lambda": UNIT,
     "algo.clip_eps": POS, "algo.clip_eps_high": POS, "algo.dual_clip_c": Range(1, low_open=True),
     "algo.kl_coef": NONNEG, "algo.kl_reward_coef": NONNEG, "algo.entropy_coef": ANY, "algo.critic_lr": POS,
     "algo.value_clip": Range(what="<= 0 = unclipped"), "algo.mismatch_low": NONNEG, "algo.mismatch_high": POS,

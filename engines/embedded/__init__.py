@@ -17,7 +17,6 @@ def build_engines(cfg: Any, model: Any, tokenizer: Any) -> list[Any]:
     """The embedded torch engine: one in-process engine on ``model.device`` (the CPU default)."""
     from miles_agent.engines.embedded import quant
     from miles_agent.engines.embedded.engine import EmbeddedEngine
-    from miles_agent.errors import UserError
 
     if cfg.rollout.prefix_cache_mb < 0:
         raise UserError(f"rollout.prefix_cache_mb={cfg.rollout.prefix_cache_mb} is negative; set a size in MiB, "

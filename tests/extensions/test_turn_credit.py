@@ -63,7 +63,7 @@ def test_overlong_trajectories_are_masked_or_downweighted():
 
 
 def test_bad_turn_options_fail_at_start():
-    for overrides, needle in [({"algo.turn_discount": 1.5}, "algo.turn_discount must lie in [0, 1]"),
+    for overrides, needle in [({"algo.turn_discount": 1.5}, "algo.turn_discount=1.5 is out of range: it must be >= 0 and <= 1"),
                               ({"algo.overlong": "drop"}, "algo.overlong='drop': choose one of keep, mask, downweight")]:
         with pytest.raises(UserError, match=needle.replace("[", r"\[").replace("]", r"\]")):
             check_choices(load_config("tiny-cpu", overrides))
