@@ -31,5 +31,5 @@ def test_every_nth_step_logs_the_eval_split(tmp_path):
 
 
 def test_a_negative_eval_every_is_refused_before_any_work(tmp_path):
-    with pytest.raises(UserError, match="run.eval_every must be >= 0"):
+    with pytest.raises(UserError, match=r"run.eval_every=-1 is out of range: it must be >= 0"):
         Run(load_config("tiny-cpu", {**SMALL, "run.eval_every": -1, "run.run_dir": str(tmp_path)}))
