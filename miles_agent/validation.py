@@ -50,7 +50,7 @@ RANGES: dict[str, Range] = {
     "run.steps": ONE_UP, "run.seed": ANY, "run.checkpoint_every": Range(0, what="0 = only at the end"),
     "run.eval_every": Range(0, what="0 = never"), "run.dump_rollouts": Range(0, what="0 = never"),
     "run.log_samples": NONNEG, "cluster.num_engines": ONE_UP, "cluster.gpus_per_engine": NONNEG,
-    "cluster.trainer_gpus": NONNEG, "cluster.cpus_per_actor": NONNEG, "cluster.health_check_interval_s": POS,
+    "cluster.trainer_gpus": NONNEG, "cluster.cpus_per_actor": NONNEG, "cluster.health_check_interval_s": Range(0, what="0 = no health checks"),
     "cluster.health_check_timeout_s": POS, "cluster.max_engine_restarts": NONNEG, "cluster.nodes": ONE_UP,
     "cluster.gpus_per_node": ONE_UP, "cluster.gpu_memory_gib": POS, "sync.bucket_mb": ONE_UP,
     "sync.master_port": Range(0, 65535, what="0 = a free port"), "sync.disk_keep": ONE_UP,

@@ -315,8 +315,10 @@ class EmbeddedEngine:
         while self._waiting and self._free_slots:
             seq = self._waiting.popleft()
             tokens = seq.tokens
-            hit, path = self.cache.match(tokens, len(tokens) - 1, seq.want_routing)
-            key = tuple(tokens)
+            # The cache is keyed by tokens alone: KV computed under a LoRA adapter is not the base model's.
+            shared = not getattr(seq.sampling, "lora_path", None)
+            hit, path = self.cache.match(tokens, len(tokens) - 1, seq.want_routing) if shared else (0, [])
+            key = tuple(tokens) if shared else None
             if hit < len(tokens) - 1 and key in pending:
                 held.append(seq)
                 continue
@@ -324,7 +326,7 @@ class EmbeddedEngine:
             if admitted and longest * (len(admitted) + 1) > self.prefill_token_budget:
                 self._waiting.appendleft(seq)
                 break
-            if self.cache.max_tokens:
+            if self.cache.max_tokens and key is not None:
                 pending.add(key)
             seq.slot, seq.kv_epoch = heapq.heappop(self._free_slots), self._epoch
             self.stats["prompt_tokens"] += len(tokens)
@@ -377,7 +379,8 @@ class EmbeddedEngine:
     def _remember(self, seq: Sequence) -> None:
         """Put a sequence's KV (``tokens[:cache_len]``) and routing rows into the prefix cache, when
         the current weights computed all of it."""
-        if not self.cache.max_tokens or seq.kv_epoch != self._epoch or seq.slot is None:
+        if (not self.cache.max_tokens or seq.kv_epoch != self._epoch or seq.slot is None
+                or getattr(seq.sampling, "lora_path", None)):
             return
         n, slot = seq.cache_len, seq.slot
         rows = seq.routing[:n] if seq.want_routing and seq.routing is not None and seq.routing_rows >= n else None

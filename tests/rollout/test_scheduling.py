@@ -37,6 +37,7 @@ class _Session(EnvSession):
 
 class PromptsEnv(Environment):
     name = "prompts"
+    reward_range = (0.0, 2.0)  # TwoTurns scores sum(sampled) % 3
 
     def tasks(self, split="train"):
         return [Task(id=f"t{i}", messages=(), info={"prompt": [10 + i, 20 + i, 30 + i, 40]}) for i in range(6)]
