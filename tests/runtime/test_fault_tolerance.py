@@ -21,7 +21,8 @@ from miles_agent.loop import Run, train
 SAMPLES = 2
 TINY = {"model.warm_start": None, "rollout.prompts_per_step": 4, "rollout.samples_per_prompt": SAMPLES,
         "env.max_new_tokens_per_turn": 8, "env.max_turns": 2, "run.progress": False,
-        "cluster.mode": "ray", "cluster.health_check_interval_s": 0.5}
+        "cluster.mode": "ray", "cluster.health_check_interval_s": 0.5,
+        "rollout.prefix_cache_mb": 0}  # the chaos delays are sized for uncached rollouts (a cached one ends first)
 
 
 class Chaos:
