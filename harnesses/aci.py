@@ -68,18 +68,11 @@ def runtime_command(name: str, arguments: dict[str, Any]) -> str:
 class ACIHarness(ChatToolsHarness):
     name = "aci"
     description = "Agent-computer interface for coding: view/search/edit (lint-checked)/run_tests/submit over bash."
+    system_instructions = INSTRUCTIONS
     _warned = False
 
     def prompt_tools(self, session: EnvSession) -> list[dict[str, Any]] | None:
         return TOOLS
-
-    def opening_messages(self, task: Task) -> list[dict[str, Any]]:
-        messages = [dict(m) for m in task.messages]
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = INSTRUCTIONS + "\n" + messages[0]["content"]
-        else:
-            messages.insert(0, {"role": "system", "content": INSTRUCTIONS})
-        return messages
 
     def parse_actions(self, text: str) -> tuple[list[ToolCall], list[str]]:
         calls, errors = super().parse_actions(text)

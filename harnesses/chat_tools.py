@@ -108,8 +108,17 @@ class ChatToolsHarness(Harness):
         """Tool schemas the chat template renders into the prompt."""
         return session.tools
 
+    system_instructions = ""  # a subclass's action format, put before the task's own system message
+
     def opening_messages(self, task: Task) -> list[dict[str, Any]]:
-        return [dict(m) for m in task.messages]
+        messages = [dict(m) for m in task.messages]
+        if not self.system_instructions:
+            return messages
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = self.system_instructions + "\n" + messages[0]["content"]
+        else:
+            messages.insert(0, {"role": "system", "content": self.system_instructions})
+        return messages
 
     def parse_actions(self, text: str) -> tuple[list[ToolCall], list[str]]:
         """The actions in a model turn, plus an error message for each malformed one."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from miles_agent.environment import EnvSession, Task
+from miles_agent.environment import EnvSession
 from miles_agent.harnesses.chat_tools import ChatToolsHarness, ToolCall
 
 _BASH = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
@@ -25,17 +25,10 @@ INSTRUCTIONS = ("You are in a Linux shell in the task's working directory. Run a
 class TerminalHarness(ChatToolsHarness):
     name = "terminal"
     description = "Terminus-style shell loop: <bash>cmd</bash> blocks run in the sandbox; output is the next turn."
+    system_instructions = INSTRUCTIONS
 
     def prompt_tools(self, session: EnvSession) -> list[dict[str, Any]] | None:
         return None  # the action format is the <bash> block, explained in the system message
-
-    def opening_messages(self, task: Task) -> list[dict[str, Any]]:
-        messages = [dict(m) for m in task.messages]
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = INSTRUCTIONS + "\n" + messages[0]["content"]
-        else:
-            messages.insert(0, {"role": "system", "content": INSTRUCTIONS})
-        return messages
 
     def parse_actions(self, text: str) -> tuple[list[ToolCall], list[str]]:
         commands = [c.strip() for c in _BASH.findall(text)]

@@ -9,7 +9,6 @@ Examples of each: docs/extensions.md.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import math
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 
 from miles_agent.environment import Reward, Task
 from miles_agent.errors import UserError
+from miles_agent.registry import resolve_attr
 from miles_agent.types import Status, Trajectory
 
 KINDS = {  # key -> the call; names before "*" are passed by position, after it by keyword
@@ -47,13 +47,10 @@ def import_path(key: str, path: str) -> Any:
     if not module or not attr:
         raise UserError(f"{key}={path}: not a dotted path; write module:attr (e.g. mypkg.rewards:score)")
     try:
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
+        return resolve_attr(path)
     except (ImportError, AttributeError) as e:
         raise UserError(f"{key}={path}: cannot load it ({type(e).__name__}: {e}); check the module path "
                         "and that its folder is on PYTHONPATH") from None
-    return obj
 
 
 def check_call(key: str, path: str, fn: Any, signature: str) -> None:

@@ -63,19 +63,24 @@ def names(kind: str) -> list[str]:
     return sorted(_entry_points(kind))
 
 
+def resolve_attr(path: str) -> Any:
+    """The object ``module:attr`` names (``attr`` may be dotted); ImportError / AttributeError when absent."""
+    module, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def load(kind: str, name: str, key: str = "") -> Any:
     """The plug-in object named ``name`` (an entry-point name or ``module:attr``); ``key`` is the config
     key that chose it, named in the error when there is no such plug-in."""
     if ":" in name:
-        module, _, attr = name.partition(":")
         try:
-            obj: Any = importlib.import_module(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
+            return resolve_attr(name)
         except (ImportError, AttributeError) as e:
             raise UserError(f"cannot load {KINDS[kind]} {name!r}: {type(e).__name__}: {e}; "
                             "check the module path and that its package is installed") from None
-        return obj
     eps = _entry_points(kind)
     if name not in eps:
         known = ", ".join(sorted(eps)) or "none installed"
