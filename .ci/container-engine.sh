@@ -118,8 +118,8 @@ engine_images() {
   export CONTAINERS_CONF="$CONF"
   local pkgs="python3,python3-venv,python3-pip,python-is-python3,bash,coreutils,procps,ca-certificates,tar,gzip,curl"
   # Debian 13 (trixie) ships Python 3.13: the names tasks use for a 3.13 slim image and Terminal-Bench's
-  # python-3-13 base. Debian 12 (bookworm) ships 3.11. No Debian release ships 3.12, and Ubuntu is not
-  # made here: tasks on python:3.12-* or ubuntu:* need those images loaded (`podman load`) by hand.
+  # python-3-13 base. Debian 12 (bookworm) ships 3.11. No Debian release ships 3.12 (see engine_python312);
+  # ubuntu:* comes from engine_ubuntu, on request.
   # Tagged with the fully qualified names Docker resolves short names to (FROM python:3.13-slim is
   # docker.io/library/python:3.13-slim), so builds find them locally and never try a registry.
   # python:3.13-slim-bookworm gets the trixie image: the Python tasks ask for, on a newer Debian.
@@ -165,6 +165,57 @@ engine_python312() {
   done
 }
 
+# ubuntu:24.04, opt-in (MILES_AGENT_UBUNTU_IMAGES=1; the test suite needs neither): many public
+# Terminal-Bench tasks build FROM ubuntu. Made as Docker's ubuntu image is made, from the Ubuntu archive
+# (reachable here, unlike a registry): minbase, no python3, no CA bundle. The archive's signing keys come from
+# Ubuntu's own ubuntu-keyring package, checked against the sha256 pinned here (Debian 12 does not ship it).
+# Not 22.04: jammy's InRelease is now signed by a key (871920D1991BC93C) that no keyring here carries.
+UBUNTU_KEYRING_DEB="http://archive.ubuntu.com/ubuntu/pool/main/u/ubuntu-keyring/ubuntu-keyring_2023.11.28.1_all.deb"
+UBUNTU_KEYRING_SHA256="36de43b15853ccae0028e9a767613770c704833f82586f28eb262f0311adb8a8"
+ubuntu_keyring() {  # prints the path of the archive keyring, fetched and checked once
+  local dir="$IMAGES/ubuntu-keyring"
+  if [ ! -s "$dir/ubuntu-archive-keyring.gpg" ]; then
+    mkdir -p "$dir"
+    curl -fsS -o "$dir/keyring.deb" "$UBUNTU_KEYRING_DEB"
+    echo "$UBUNTU_KEYRING_SHA256  $dir/keyring.deb" | sha256sum --check --quiet
+    dpkg-deb --fsys-tarfile "$dir/keyring.deb" | tar -xO ./usr/share/keyrings/ubuntu-archive-keyring.gpg \
+      > "$dir/ubuntu-archive-keyring.gpg"
+  fi
+  # apt reads it as its unprivileged _apt user, which cannot enter a private home: a world-readable copy.
+  local copy
+  copy=$(mktemp -d)
+  chmod 755 "$copy"
+  install -m 644 "$dir/ubuntu-archive-keyring.gpg" "$copy/"
+  echo "$copy/ubuntu-archive-keyring.gpg"
+}
+engine_ubuntu() {
+  export CONTAINERS_CONF="$CONF"
+  local lib=docker.io/library keyring release version name first
+  keyring=$(ubuntu_keyring)
+  for pair in noble:24.04; do
+    release=${pair%%:*} version=${pair#*:} name=miles-ubuntu-$release first=localhost/miles-agent/ubuntu-$version:latest
+    if ! podman image exists "$first" || ! ca_current "$first"; then
+      if [ ! -s "$IMAGES/$name.tar" ]; then
+        echo "container-engine: building $name from the Ubuntu archive (several minutes, once)" >&2
+        mmdebstrap --quiet --variant=minbase --include=apt,ubuntu-keyring,gpgv --keyring="$keyring" \
+          --components=main,universe "$release" \
+          "$IMAGES/$name.part.tar" http://archive.ubuntu.com/ubuntu
+        mv "$IMAGES/$name.part.tar" "$IMAGES/$name.tar"
+      fi
+      podman import --quiet --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'CMD ["/bin/bash"]' "$IMAGES/$name.tar" "$first" >/dev/null
+      trust_ca "$first"
+    fi
+    for tag in $lib/ubuntu:$version $lib/ubuntu:$release; do podman tag "$first" "$tag"; done
+  done
+  rm -rf "$(dirname "$keyring")"
+  # Terminal-Bench's own Ubuntu base (TermiGen-style tasks build FROM it), as python-3-13 is tagged above.
+  for tag in $lib/ubuntu:latest ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624 \
+      ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest; do
+    podman tag localhost/miles-agent/ubuntu-24.04:latest "$tag"
+  done
+}
+
 # For tasks that name no image (they need only host tools): the trixie image plus the tools such tasks
 # use that a slim image lacks (git, jq, ...). Pass it as the docker sandbox's `image` option.
 engine_tools_image() {
@@ -188,6 +239,7 @@ case "${1:-up}" in
     engine_images
     engine_python312
     engine_tools_image
+    if [ "${MILES_AGENT_UBUNTU_IMAGES:-0}" = 1 ]; then engine_ubuntu; fi
     export MILES_AGENT_DOCKER_TEST_URL="unix://$SOCK"
     export MILES_AGENT_DOCKER_TEST_IMAGE="localhost/miles-agent/trixie-python3.13:latest"
     # The shared remote-backend contract suite too (tests/sandboxes/test_remote_contract.py).

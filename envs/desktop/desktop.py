@@ -56,6 +56,7 @@ class Desktop:
 
     def config(self, launch: list[list[str]], webapp: bool) -> dict[str, Any]:
         return {"display": 1, "width": self.width, "height": self.height, "state": self.state,
+                "start_timeout_s": max(10.0, self.start_timeout_s - 10.0),  # the guest's own waits end first
                 "launch": launch, "webapp": {"port": WEBAPP_PORT, "records": RECORDS_DIR} if webapp else None}
 
     async def start(self, launch: list[list[str]], webapp: bool) -> None:

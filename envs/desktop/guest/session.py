@@ -52,6 +52,12 @@ class Desktop:
         self.children: list[subprocess.Popen] = []
         self.browser: Cdp | None = None
         self.stopping = threading.Event()
+        # One start-up budget (the host's start timeout, less a margin) shared by every wait below, so a
+        # loaded machine gets the time the host allows rather than a fixed 10 s per application.
+        self.start_deadline = time.time() + float(config.get("start_timeout_s", 60))
+
+    def start_time_left(self, floor: float) -> float:
+        return max(floor, self.start_deadline - time.time())
 
     # -- start ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -61,18 +67,19 @@ class Desktop:
         self.spawn(["Xvfb", self.display, "-screen", "0", f"{w}x{h}x24", "-fbdir", self.state,
                     "-nolisten", "tcp", "-noreset"], log="xvfb")
         wait_for(lambda: os.path.exists(f"/tmp/.X11-unix/X{num}") and self.xdotool("getdisplaygeometry").ok,
-                 10, "Xvfb did not come up (see xvfb.log)")
+                 self.start_time_left(10), "Xvfb did not come up (see xvfb.log)")
         # A window mapped while openbox is still starting is never shown: openbox runs --startup once it
         # manages the screen, and the applications start after that.
         ready = os.path.join(self.state, "wm-ready")
         self.spawn(["openbox", "--sm-disable", "--startup", f"touch {ready}"], log="openbox")
-        wait_for(lambda: os.path.exists(ready), 10, "openbox did not start (openbox.log)")
+        wait_for(lambda: os.path.exists(ready), self.start_time_left(10), "openbox did not start (openbox.log)")
         time.sleep(0.2)
         webapp = self.cfg.get("webapp")
         if webapp:
             self.spawn([sys.executable, os.path.join(os.path.dirname(__file__), "webapp.py"),
                         str(webapp.get("port", 8765)), webapp["records"]], log="webapp")
-            wait_for(lambda: port_open(webapp.get("port", 8765)), 10, "the web app did not start (webapp.log)")
+            wait_for(lambda: port_open(webapp.get("port", 8765)), self.start_time_left(10),
+                     "the web app did not start (webapp.log)")
         for item in self.cfg.get("launch", []):
             if item[0] == "browser":
                 self.start_browser(item[1])
@@ -119,7 +126,7 @@ class Desktop:
         os.close(from_chrome_w)
         self.children.append(proc)
         self.browser = Cdp(to_chrome_w, from_chrome_r)
-        wait_for(lambda: self.browser.page_ready(), 30, "chromium did not load the task's page")
+        wait_for(lambda: self.browser.page_ready(), self.start_time_left(30), "chromium did not load the task's page")
 
     # -- actions -------------------------------------------------------------------------------
     def xdotool(self, *args: str) -> Result:
