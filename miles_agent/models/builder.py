@@ -90,7 +90,15 @@ def build_tiny(arch: str, seed: int = 0, dtype: str = "float32"):  # noqa: ANN20
             layer.self_attn.k_norm.weight.fill_(TINY_QK_NORM_INIT)
     model.config.architectures = [type(model).__name__]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.eval(), tokenizer
+    return model.eval(), with_vision(tokenizer, model)
+
+
+def with_vision(tokenizer: Any, model: Any) -> Any:
+    """A vision-language model's tokenizer names its image placeholder id: harnesses then send images."""
+    cfg = model.config
+    if getattr(cfg, "vision_config", None) is not None and getattr(cfg, "image_token_id", None) is not None:
+        tokenizer.image_placeholder_id = int(cfg.image_token_id)
+    return tokenizer
 
 
 def check_safetensors(path: Path) -> None:
@@ -135,7 +143,7 @@ def load_hf(path: str | Path, dtype: str = "float32"):  # noqa: ANN201
     model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype))
     if arch is None:
         model.config.architectures = [type(model).__name__]
-    return model.eval(), tokenizer
+    return model.eval(), with_vision(tokenizer, model)
 
 
 def save_hf(model, tokenizer, path: str | Path) -> None:  # noqa: ANN001
