@@ -173,3 +173,46 @@ def test_pause_modes_through_http(dense_server, mode):
         else:
             assert c.finish_reason is FinishReason.LENGTH and c.output_ids == ref.output_ids
             assert c.meta["retractions"] == (1 if mode == "retract" else 0)
+
+
+def test_images_travel_as_image_data_and_the_server_reads_them(start_fake):
+    """A vision-language request: ``input_ids`` with each image's expanded placeholder run, ``image_data`` one
+    base64 PNG data URL per image (SGLang's multimodal /generate); the fake's engine gets them back as images."""
+    import io
+
+    from PIL import Image
+
+    from miles_agent.engines.sglang.wire import decode_image_data, generate_payload
+    from miles_agent.models.vision import expand_images
+
+    model, tok = tiny("tiny-qwen3-vl")
+    pngs = []
+    for shade in (10, 200):
+        buf = io.BytesIO()
+        Image.new("RGB", (96, 64), (shade, 0, 0)).save(buf, format="PNG")
+        pngs.append(buf.getvalue())
+    prompt = tok.encode("look <|vision_start|><|image_pad|><|vision_end|> then <|vision_start|><|image_pad|>"
+                        "<|vision_end|> now", add_special_tokens=False)
+    ids, images = expand_images(prompt, model.config.image_token_id, pngs)
+    payload = generate_payload(ids, GREEDY, return_routed_experts=False, images=images)
+    assert payload["input_ids"] == ids and all(s.startswith("data:image/png;base64,") for s in payload["image_data"])
+    assert decode_image_data(payload["image_data"]) == pngs
+    assert "image_data" not in generate_payload(ids, GREEDY, return_routed_experts=False)
+
+    server = start_fake("tiny-qwen3-vl", "--ignore-eos")
+    engine = EmbeddedEngine(model, tok, max_batch_size=4)
+    engine.eos_ids = frozenset()
+    ref = run(lambda: engine.generate(ids, GREEDY, images=images))
+    client = SGLangEngine(server.url)
+
+    async def main(**kw):
+        return await client.generate(ids, GREEDY, **kw)
+
+    c = run(lambda: main(images=images))
+    assert c.output_ids == ref.output_ids and c.output_logprobs == ref.output_logprobs
+    swapped = run(lambda: main(images=[images[0], type(images[1])(images[1].start, images[1].end,
+                                                                  images[1].token_id, pngs[0])]))
+    assert swapped.output_logprobs != c.output_logprobs  # the server read the second image, not a default
+    with pytest.raises(ValueError, match="placeholder ids but its images cover 0"):
+        run(lambda: main())  # no image_data: the server refuses the image tokens (HTTP 400)
+    run(client.shutdown)
