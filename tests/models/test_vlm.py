@@ -16,6 +16,7 @@ from miles_agent.engines.embedded.engine import EmbeddedEngine
 from miles_agent.models.builder import build_tiny, load_hf, save_hf
 from miles_agent.models.vision import expand_images, placeholder_count
 from miles_agent.tito import ChatRenderer
+from miles_agent.trainer import TrainBatch
 from miles_agent.trainers.fsdp2 import FSDP2Trainer
 from miles_agent.types import Trajectory
 
@@ -64,7 +65,7 @@ async def episode(engine: EmbeddedEngine, tok, pngs: list[bytes], seed: int, tur
 def test_engine_and_trainer_logprobs_match_on_images_and_text(vlm):
     model, tok = vlm
     engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=4)
-    trainer = FSDP2Trainer(copy.deepcopy(model), tok, TrainConfig(micro_batch_tokens=4096), AlgoConfig())
+    trainer = FSDP2Trainer(copy.deepcopy(model), tok, TrainConfig(micro_batch_tokens=4096, lr=3e-3), AlgoConfig())
     shots = [screenshot(i) for i in range(3)] + [screenshot(9, (256, 192))]
 
     async def both():  # two episodes batched together in the engine, with different images
@@ -85,6 +86,20 @@ def test_engine_and_trainer_logprobs_match_on_images_and_text(vlm):
                                                 swapped.images[1].token_id, screenshot(5))
     other = trainer.compute_logprobs([swapped.validate()])[0]
     assert max(abs(a - b) for a, b in zip(other, trained[0])) > 1e-3
+
+    # One policy-gradient step through the images: the sampled tokens move with their advantage's sign,
+    # and the vision tower trains too (its gradient comes through the image features and DeepStack).
+    vision_before = {k: v.clone() for k, v in trainer.named_weights() if ".visual." in k}
+    metrics = trainer.train_step(TrainBatch(trajs, [[1.0] * trajs[0].response_length,
+                                                    [-1.0] * trajs[1].response_length]))
+    after = trainer.compute_logprobs(trajs)
+
+    def mean_sampled(rows, i):
+        return sum(r * m for r, m in zip(rows[i], trajs[i].loss_mask)) / sum(trajs[i].loss_mask)
+    assert mean_sampled(after, 0) > mean_sampled(trained, 0) and mean_sampled(after, 1) < mean_sampled(trained, 1)
+    assert metrics["logprob_mismatch_max"] < 1e-4
+    moved = [k for k, v in trainer.named_weights() if k in vision_before and not torch.equal(v, vision_before[k])]
+    assert any("patch_embed" in k for k in moved) and any("deepstack" in k for k in moved)
     trainer.close()
 
 
