@@ -58,8 +58,7 @@ class ChatToolsHarness(Harness):
     async def run(self, task: Task, session: EnvSession, policy: Policy) -> list[Trajectory]:
         renderer = ChatRenderer(self.tokenizer, self.prompt_tools(session))
         messages = self.opening_messages(task)
-        if self.image_id is not None:
-            vision.attach_opening(messages, session)
+        await vision.attach_opening(messages, session, image=self.image_id is not None)
         traj = self._new_branch(renderer, messages, task, 0)
         branches, turn, status = [traj], 0, Status.COMPLETED
         while True:

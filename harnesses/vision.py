@@ -36,12 +36,18 @@ def with_image(content: Any, png: bytes) -> list[dict[str, Any]]:
     return [{"type": "image", "png": png}, *parts]
 
 
-def attach_opening(messages: list[dict[str, Any]], session: EnvSession) -> None:
-    """The screen before the first action, on the last user message of the opening."""
-    png = latest_screen(session, 0)
+async def attach_opening(messages: list[dict[str, Any]], session: EnvSession, image: bool) -> None:
+    """The screen before the first action on the last user message of the opening: its text (a session's
+    ``opening_text()``, the desktop's windows and accessibility tree) and, with ``image``, its screenshot."""
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-    if png is not None and users:
-        messages[users[-1]] = {**messages[users[-1]], "content": with_image(messages[users[-1]]["content"], png)}
+    if not users:
+        return
+    msg = messages[users[-1]]
+    opening = getattr(session, "opening_text", None)
+    if opening is not None and isinstance(msg["content"], str):
+        msg = {**msg, "content": msg["content"] + "\n\n" + await opening()}
+    png = latest_screen(session, 0) if image else None
+    messages[users[-1]] = msg if png is None else {**msg, "content": with_image(msg["content"], png)}
 
 
 def attach_result(tool_msgs: list[dict[str, Any]], session: EnvSession, before: int) -> None:

@@ -35,6 +35,9 @@ class ScreenSession(EnvSession):
     def __init__(self) -> None:
         self.screenshots = [screen(0)]
 
+    async def opening_text(self):
+        return "Screen 320x240. button 'Send' at (10, 10)"
+
     async def call_tool(self, name, arguments):
         self.screenshots.append(screen(20 * len(self.screenshots)))
         return "button 'Send' at (10, 10)"
@@ -75,6 +78,7 @@ def test_the_harness_sends_each_screenshot_as_an_image_input_at_its_placeholders
     assert [im.end - im.start for im in traj.images] == [placeholder_count(s) for s in session.screenshots]
     assert traj.tokens.count(pad) == sum(im.end - im.start for im in traj.images)
     assert traj.images[0].end <= len(traj.prompt_ids) < traj.images[1].start  # later screens are observations
+    assert "<|vision_end|>Send the form.\n\nScreen 320x240." in tok.decode(traj.prompt_ids)
 
 
 def test_a_text_only_policy_gets_the_same_turns_without_images(tokenizer):
@@ -92,9 +96,10 @@ def test_a_text_only_policy_gets_the_same_turns_without_images(tokenizer):
 
     harness = ChatToolsHarness(tokenizer, HarnessLimits(), SamplingParams())
     policy = Scripted()
-    [traj] = asyncio.run(harness.run(Task(id="t", messages=({"role": "user", "content": "go"},)), ScreenSession(), policy))
+    task = Task(id="t", messages=({"role": "user", "content": "Send the form."},))
+    [traj] = asyncio.run(harness.run(task, ScreenSession(), policy))
     assert traj.validate().images == [] and policy.kwargs == [{}, {}]
-    assert "button 'Send'" in tokenizer.decode(traj.tokens)
+    assert "Send the form.\n\nScreen 320x240." in tokenizer.decode(traj.prompt_ids)  # the opening screen, as text
 
 
 DESKTOP_TOOLS = ("Xvfb", "openbox", "stterm", "xdotool", "mousepad", "chromium", "bwrap")
@@ -106,7 +111,7 @@ def train_two_steps(tmp_path, arch: str) -> list[dict]:
     from miles_agent.loop import train
 
     cfg = load_config("tiny-cpu", {
-        "env.name": "desktop", "model.arch": arch, "model.warm_start": None, "env.max_total_tokens": 3600,
+        "env.name": "desktop", "model.arch": arch, "model.warm_start": None, "env.max_total_tokens": 4000,
         "env.max_new_tokens_per_turn": 16, "env.max_turns": 2, "env.max_observation_tokens": 192,
         "env.options": {"tasks_dir": "", "max_a11y_nodes": 20, "width": 640, "height": 480},
         "run.steps": 2, "run.run_dir": str(tmp_path), "run.progress": False, "run.dump_rollouts": 1,
