@@ -15,6 +15,7 @@ from typing import Any
 
 from miles_agent.engine import Completion, FinishReason, Policy, SamplingParams
 from miles_agent.environment import EnvSession, Harness, HarnessLimits, Task, ToolError
+from miles_agent.harnesses import vision
 from miles_agent.tito import ChatRenderer, NotAppendOnly
 from miles_agent.tool_calls import QWEN, ToolCallFormat, tool_format
 from miles_agent.types import Status, Trajectory
@@ -52,10 +53,12 @@ class ChatToolsHarness(Harness):
         self.tool_format = tool_format(tokenizer)
         self.stop_ids = tuple(sorted(set(sampling.stop_token_ids) | set(stop_token_ids(tokenizer))))
         self.sampling = replace(sampling, stop_token_ids=self.stop_ids)
+        self.image_id = vision.image_id(tokenizer)  # a vision-language policy: screenshots become image inputs
 
     async def run(self, task: Task, session: EnvSession, policy: Policy) -> list[Trajectory]:
         renderer = ChatRenderer(self.tokenizer, self.prompt_tools(session))
         messages = self.opening_messages(task)
+        await vision.attach_opening(messages, session, image=self.image_id is not None)
         traj = self._new_branch(renderer, messages, task, 0)
         branches, turn, status = [traj], 0, Status.COMPLETED
         while True:
@@ -64,7 +67,8 @@ class ChatToolsHarness(Harness):
                 status = Status.TRUNCATED
                 break
             sampling = replace(self.sampling, max_new_tokens=min(self.limits.max_new_tokens_per_turn, budget))
-            c = await policy.generate(list(traj.tokens), sampling)
+            images = {"images": list(traj.images)} if traj.images else {}  # the Policy call's optional keyword
+            c = await policy.generate(list(traj.tokens), sampling, **images)
             if c.finish_reason is FinishReason.ABORT:
                 return self._aborted(branches, c, turn)
             traj.append_model(c.output_ids, c.output_logprobs, c.weight_version, turn,
@@ -81,8 +85,11 @@ class ChatToolsHarness(Harness):
             if turn >= self.limits.max_turns:
                 status = Status.TRUNCATED
                 break
+            screens = vision.screens(session)
             results = [await self._call(session, call, traj) for call in calls] + errors
             tool_msgs = self.observation_messages(calls, results)
+            if self.image_id is not None:
+                vision.attach_result(tool_msgs, session, screens)
             try:
                 structured = messages[-1].get("content") != text  # the family rebuilds the turn from tool_calls
                 obs = renderer.observation_ids(messages, tool_msgs, stop_text, sampled_text=text if structured else None)
@@ -93,10 +100,11 @@ class ChatToolsHarness(Harness):
                 traj = self._new_branch(renderer, messages, task, len(branches))
                 branches.append(traj)
                 continue
+            obs, obs_images = vision.expand(obs, tool_msgs, self.image_id) if self.image_id is not None else (obs, [])
             if len(traj.tokens) + len(obs) >= self.limits.max_total_tokens:
                 status = Status.TRUNCATED
                 break
-            traj.append_observation(obs, turn)
+            traj.append_observation(obs, turn, obs_images)
         reward = await session.score(messages)
         for b in branches:
             b.reward, b.reward_parts, b.status = reward.value, dict(reward.parts), status
@@ -133,7 +141,10 @@ class ChatToolsHarness(Harness):
 
     def _new_branch(self, renderer: ChatRenderer, messages: list[dict[str, Any]], task: Task,
                     index: int) -> Trajectory:
-        t = Trajectory(prompt_ids=renderer.prompt_ids(messages), task_id=task.id)
+        ids, images = renderer.prompt_ids(messages), []
+        if self.image_id is not None:
+            ids, images = vision.expand(ids, messages, self.image_id)
+        t = Trajectory(prompt_ids=ids, task_id=task.id, images=images)
         t.metadata["branch"] = index
         return t
 

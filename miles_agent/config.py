@@ -32,7 +32,7 @@ RENAMED = {"rollout.engine": {"local": "embedded"}, "cluster.mode": {"local": "i
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # A built-in tiny architecture ("tiny-qwen3", "tiny-qwen3-moe") or "hf" with hf_checkpoint set.
+    # A built-in tiny architecture ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-vl": docs/vlm.md) or "hf" with hf_checkpoint set.
     arch: str = "tiny-qwen3"
     hf_checkpoint: str | None = None  # any HF-format folder (config.json, safetensors, tokenizer)
     warm_start: str | None = None  # "builtin" = the env's own SFT warm start (made once, cached)

@@ -108,7 +108,11 @@ def check_score_request(input_ids: list[int], logprob_start_len: int, temperatur
 
 @runtime_checkable
 class Policy(Protocol):
-    """What a harness calls. It never learns which engine stands behind it."""
+    """What a harness calls. It never learns which engine stands behind it.
+
+    A vision-language policy's request also passes ``images=`` (the prompt's `ImageInput`s, each over its
+    run of placeholder ids); a harness passes it only when there are images, so text-only engines need not
+    take it."""
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
                        return_routed_experts: bool = False) -> Completion: ...

@@ -75,6 +75,17 @@ class MicroBatch:
     packed_ids: Tensor | None = None  # [1, T]
     packed_positions: Tensor | None = None  # [1, T]
     packed_src: Tensor | None = None  # [B, K] long
+    # A vision-language model's image inputs of the rows, in row then token order (``add_images``).
+    pixel_values: Tensor | None = None  # [patches, C * T * P * P]
+    image_grid_thw: Tensor | None = None  # [images, 3]
+    mm_token_type_ids: Tensor | None = None  # [B, L] 1 at image placeholder ids
+
+    def model_inputs(self) -> dict[str, Tensor]:
+        """The image keyword arguments of the HF forward ({} for a text-only micro-batch)."""
+        if self.pixel_values is None:
+            return {}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
+                "mm_token_type_ids": self.mm_token_type_ids}
 
     @property
     def real(self) -> Tensor:
@@ -89,7 +100,7 @@ class MicroBatch:
     def to(self, device: torch.device | str) -> MicroBatch:
         for name in ("input_ids", "attention_mask", "targets", "loss_mask", "sampled", "advantages",
                      "rollout_logp", "teacher_logp", "routed_experts", "packed_ids", "packed_positions",
-                     "packed_src"):
+                     "packed_src", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(device, non_blocking=True))
         return self
@@ -144,6 +155,18 @@ def build_micro_batch(trajectories: Sequence[Trajectory], indices: list[int],
             teacher[b, c:c + n] = torch.tensor(teacher_logprobs[i], dtype=torch.float)
     return MicroBatch(list(indices), input_ids, attention, offset, targets, sampled=sampled,
                       response_cols=cols, teacher_logp=teacher, **grid)
+
+
+def add_images(mb: MicroBatch, trajectories: Sequence[Trajectory], image_token_id: int) -> MicroBatch:
+    """Attach the rows' images (`Trajectory.images`) as the processor's pixel values and grids; their
+    placeholder ids stay as the trajectory holds them (never re-tokenized)."""
+    from miles_agent.models.vision import pixel_inputs
+
+    pngs = [im.data for i in mb.indices for im in trajectories[i].images]
+    if pngs:
+        mb.pixel_values, mb.image_grid_thw = pixel_inputs(pngs)
+        mb.mm_token_type_ids = (mb.input_ids == image_token_id).int()
+    return mb
 
 
 def pack(mb: MicroBatch) -> MicroBatch:

@@ -100,7 +100,7 @@ def save_hf(model: nn.Module, tokenizer: Any, path: Path, rank: int, dtype: torc
 
     The weights are loaded into an HF model built on the meta device, so rank 0 holds one full copy
     of the weights and no second, randomly initialized model."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from miles_agent.models.builder import save_hf as write_hf
 
@@ -109,7 +109,8 @@ def save_hf(model: nn.Module, tokenizer: Any, path: Path, rank: int, dtype: torc
         full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
     if rank == 0:
         with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(model.config)
+            vision = getattr(model.config, "vision_config", None) is not None  # a vision-language model
+            shell = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(model.config)
         shell.load_state_dict(full, assign=True, strict=True)
         shell.tie_weights()
         shell.generation_config = model.generation_config

@@ -34,10 +34,11 @@ from miles_agent import true_on_policy
 from miles_agent.algorithms.estimators import needs_reference
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.errors import UserError
+from miles_agent.models.vision import mask_suppressed, suppressed_ids, vision_token_ids
 from miles_agent.trainers import checkpoint as ckpt
 from miles_agent.trainers import lora as lora_mod
 from miles_agent.trainers import precision, qat, routing_replay
-from miles_agent.trainers.batching import MicroBatch, pack
+from miles_agent.trainers.batching import MicroBatch, add_images, pack
 from miles_agent.trainers.logprobs import chunked_head, head_logprobs
 from miles_agent.trainers.lora_options import LoraSection
 from miles_agent.trainers.policy_trainer import PolicyTrainer, local_grad_norm
@@ -136,6 +137,8 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
         # fp32 master weights (upcasting bf16 is exact); FSDP2 casts them to the compute dtype to run
         self.model = shard(model.to(self.device, master), self.mesh,
                            precision.fsdp_policy(self.compute_dtype, master))
+        ids = suppressed_ids(model)  # a VLM's image placeholders: out of its vocabulary, as in the engine
+        self.suppressed = torch.tensor(ids, device=self.device) if ids else None
         self._init_optimizer()
 
     # -- hooks --------------------------------------------------------------------------------------
@@ -150,7 +153,7 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
         def head(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
             h = hidden[0, mb.packed_src[real]] if mb.packed_ids is not None else hidden[:, :-1][real]
             logp, ent = head_logprobs(h, weight, bias, mb.targets[real], self.temperature, chunk, entropy,
-                                      entropy_grad)
+                                      entropy_grad, self.suppressed)
             return torch.stack([logp, ent], -1) if ent is not None else logp[:, None]
 
         with routing_replay.replaying(model, mb.routed_experts), chunked_head(model, head):
@@ -158,7 +161,7 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
                 vals = model(input_ids=mb.packed_ids, position_ids=mb.packed_positions, use_cache=False).logits
             else:
                 vals = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
-                             use_cache=False).logits
+                             use_cache=False, **mb.model_inputs()).logits
         zeros = torch.zeros(real.shape, dtype=vals.dtype, device=vals.device)
         logp = zeros.masked_scatter(real, vals[:, 0])
         return logp, zeros.masked_scatter(real, vals[:, 1]) if entropy else None
@@ -167,8 +170,10 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
                               entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         with routing_replay.replaying(model, mb.routed_experts):
             out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
-                        use_cache=False)
+                        use_cache=False, **mb.model_inputs())
         logits = out.logits[:, :-1].float() / self.temperature
+        if self.suppressed is not None:
+            logits = mask_suppressed(logits, self.suppressed)
         lse = torch.logsumexp(logits, dim=-1)
         if self.algo.true_on_policy:
             logp = true_on_policy.log_softmax(logits).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
@@ -185,8 +190,11 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
                              advantages: Sequence[Sequence[float]] | None,
                              teacher: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
         mbs = super()._build_micro_batches(trajectories, plan, advantages, teacher)
+        vision = vision_token_ids(self.model)
+        if vision is not None:  # image rows run padded: M-RoPE positions do not restart per packed sequence
+            mbs = [add_images(mb, trajectories, vision[0]).to(self.device) for mb in mbs]
         if self.train_cfg.pack_sequences:
-            mbs = [pack(mb) for mb in mbs]
+            mbs = [mb if mb.pixel_values is not None else pack(mb) for mb in mbs]
         if self.algo.routing_replay:
             routers = routing_replay.moe_routers(self.model)
             for mb in mbs:

@@ -23,11 +23,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from miles_agent.models.vision import mask_suppressed
+
 
 def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-           entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+           entropy: bool, entropy_grad: bool, suppressed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     logits = F.linear(h, weight, bias)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # at least fp32
+    logits = mask_suppressed(logits, suppressed)
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     if not entropy:
@@ -38,16 +41,18 @@ def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temp
 
 
 def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                  chunk: int, entropy: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+                  chunk: int, entropy: bool = False, entropy_grad: bool = False,
+                  suppressed: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Logprob of ``targets[i]`` (and the entropy) at ``temperature`` for each row of ``hidden``
-    ([N, H] -> [N]); ``chunk`` <= 0 computes all rows at once (the unchunked reference)."""
+    ([N, H] -> [N]); ``chunk`` <= 0 computes all rows at once (the unchunked reference). ``suppressed``
+    ids are masked out of the vocabulary (a vision-language policy's image placeholders)."""
     n = hidden.shape[0]
     step = n if chunk <= 0 else chunk
     recompute = torch.is_grad_enabled() and chunk > 0 and (hidden.requires_grad or weight.requires_grad)
     logps, ents = [], []
     for start in range(0, max(n, 1), max(step, 1)):
         args = (hidden[start:start + step], weight, bias, targets[start:start + step], temperature, entropy,
-                entropy_grad)
+                entropy_grad, suppressed)
         logp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
         logps.append(logp)
         ents.append(ent)

@@ -84,7 +84,8 @@ class EmbeddedEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be >= 0 (0 turns the prefix cache off), got {prefix_cache_bytes}")
-        limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        text_config = getattr(model.config, "text_config", None) or model.config  # a VLM: its decoder's
+        limit = int(getattr(text_config, "max_position_embeddings", 0) or 0)
         max_seq_len = max_seq_len or limit
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2 (set it or the model's max_position_embeddings), "
@@ -139,15 +140,20 @@ class EmbeddedEngine:
         return self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"])
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None, *,
-                       return_routed_experts: bool = False) -> Completion:
-        """Enqueue one request and wait for it; raises ValueError on bad input before queueing."""
+                       return_routed_experts: bool = False, images: Iterable[Any] = ()) -> Completion:
+        """Enqueue one request and wait for it; raises ValueError on bad input before queueing.
+
+        ``images``: the prompt's `ImageInput`s (a vision-language model), each over its run of image
+        placeholder ids; they are encoded at prefill, and their requests bypass the prefix cache (it is
+        keyed by ids, and every image's placeholder ids are the same)."""
         sampling = sampling or SamplingParams()
         ids = self._check_request(input_ids, sampling, return_routed_experts)
+        images = self._check_images(ids, tuple(images))
         self._bind_loop()
         assert self._loop is not None and self._wake is not None
         seq = Sequence(rid=next(_ids), prompt=ids, sampling=sampling, want_routing=return_routed_experts,
                        future=self._loop.create_future(), stop_ids=frozenset(sampling.stop_token_ids) | self.eos_ids,
-                       max_seq_len=self.max_seq_len, tokenizer=self.tokenizer, device=self.device)
+                       max_seq_len=self.max_seq_len, tokenizer=self.tokenizer, device=self.device, images=images)
         self._waiting.append(seq)
         self._wake.set()
         try:
@@ -265,6 +271,25 @@ class EmbeddedEngine:
                              "is dense and routes no experts")
         return ids
 
+    def _check_images(self, ids: list[int], images: tuple) -> tuple:
+        from miles_agent.models.vision import vision_token_ids
+
+        vision = vision_token_ids(self.model)
+        pad = vision[0] if vision else None
+        if images and vision is None:
+            raise ValueError(f"the request has {len(images)} images but {type(self.model).__name__} is a text-only "
+                             "model; serve a vision-language model (model.arch=tiny-qwen3-vl) or send no images")
+        covered = 0
+        for im in images:
+            if not 0 <= im.start < im.end <= len(ids) or any(t != pad for t in ids[im.start:im.end]):
+                raise ValueError(f"image span [{im.start}, {im.end}) is not a run of image placeholder ids "
+                                 f"({pad}) inside the {len(ids)} prompt ids")
+            covered += im.end - im.start
+        if pad is not None and ids.count(pad) != covered:
+            raise ValueError(f"the prompt holds {ids.count(pad)} image placeholder ids but its images cover "
+                             f"{covered}; pass every image of the prompt (Trajectory.images)")
+        return images
+
     # -- scheduler -------------------------------------------------------------------------------------
     def _bind_loop(self) -> None:
         """Start the scheduler in the running loop; on a new loop, drop state that belonged to the old one."""
@@ -316,7 +341,7 @@ class EmbeddedEngine:
             seq = self._waiting.popleft()
             tokens = seq.tokens
             # The cache is keyed by tokens alone: KV computed under a LoRA adapter is not the base model's.
-            shared = not getattr(seq.sampling, "lora_path", None)
+            shared = not getattr(seq.sampling, "lora_path", None) and not seq.images
             hit, path = self.cache.match(tokens, len(tokens) - 1, seq.want_routing) if shared else (0, [])
             key = tuple(tokens) if shared else None
             if hit < len(tokens) - 1 and key in pending:
@@ -380,7 +405,7 @@ class EmbeddedEngine:
         """Put a sequence's KV (``tokens[:cache_len]``) and routing rows into the prefix cache, when
         the current weights computed all of it."""
         if (not self.cache.max_tokens or seq.kv_epoch != self._epoch or seq.slot is None
-                or getattr(seq.sampling, "lora_path", None)):
+                or getattr(seq.sampling, "lora_path", None) or seq.images):
             return
         n, slot = seq.cache_len, seq.slot
         rows = seq.routing[:n] if seq.want_routing and seq.routing is not None and seq.routing_rows >= n else None
@@ -397,7 +422,12 @@ class EmbeddedEngine:
         record = any(s.want_routing for s in seqs)
         starts = [s.cache_len for s in seqs]
         spans = [s.tokens[st: st + self.prefill_chunk_tokens] for s, st in zip(seqs, starts)]
-        logits, routing = self.runner.prefill([s.slot for s in seqs], spans, record, starts)
+        for s in seqs:
+            if s.images and s.vision is None:
+                s.vision = self.runner.encode_images(s.prompt, [(im.start, im.end) for im in s.images],
+                                                     [im.data for im in s.images])
+        vision = [s.vision for s in seqs] if any(s.images for s in seqs) else None
+        logits, routing = self.runner.prefill([s.slot for s in seqs], spans, record, starts, vision)
         self.stats["prefill_batches"] += 1
         self.stats["prefill_tokens"] += sum(len(t) for t in spans)
         done = []
@@ -417,7 +447,9 @@ class EmbeddedEngine:
     def _decode(self, seqs: list[Sequence]) -> None:
         record = any(s.want_routing for s in seqs)
         positions = [s.cache_len for s in seqs]
-        logits, routing = self.runner.decode([s.slot for s in seqs], [s.last_token for s in seqs], positions, record)
+        deltas = [s.vision.delta if s.vision is not None else 0 for s in seqs]
+        logits, routing = self.runner.decode([s.slot for s in seqs], [s.last_token for s in seqs], positions, record,
+                                             deltas)
         self.stats["decode_steps"] += 1
         self.stats["decoded_sequences"] += len(seqs)
         for b, seq in enumerate(seqs):
@@ -464,7 +496,7 @@ class EmbeddedEngine:
         if seq.slot is not None:
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = None
-        seq.cache_len, seq.prefilled = 0, False
+        seq.cache_len, seq.prefilled, seq.vision = 0, False, None  # image features are re-encoded with the weights
 
     def _retract_running(self) -> None:
         """Drop the running sequences' KV cache and queue them first for re-prefill on resume."""

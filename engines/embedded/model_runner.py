@@ -19,7 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+from miles_agent.models.vision import mask_suppressed, suppressed_ids
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl")
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -39,6 +41,25 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+class VisionInputs:
+    """One prompt's image inputs for the runner: M-RoPE positions ``rope`` [3, prompt_len], the ``delta`` of
+    positions after the prompt, and the image columns with their features (and DeepStack features)."""
+
+    def __init__(self, rope: torch.Tensor, delta: int, cols: torch.Tensor, feats: torch.Tensor,
+                 deep: list[torch.Tensor]) -> None:
+        self.rope, self.delta, self.cols, self.feats, self.deep = rope, delta, cols, feats, deep
+
+    def window(self, start: int, length: int) -> tuple[torch.Tensor, tuple | None]:
+        """Rotary positions of positions ``start:start+length`` and the image rows among them, re-indexed."""
+        pos = torch.arange(start, start + length, device=self.rope.device)
+        n = self.rope.shape[1]
+        rope = torch.where(pos < n, self.rope[:, pos.clamp(max=n - 1)], pos + self.delta)
+        keep = (self.cols >= start) & (self.cols < start + length)
+        if not bool(keep.any()):
+            return rope, None
+        return rope, (self.cols[keep] - start, self.feats[keep], [d[keep] for d in self.deep])
+
+
 class ModelRunner:
     """Prefill and batched decode over per-slot KV cache. Not thread-safe: one step at a time."""
 
@@ -54,7 +75,8 @@ class ModelRunner:
         self.model = model.to(device).eval()
         self.device = device
         self.config = cfg
-        self.decoder = model.model
+        cfg = getattr(cfg, "text_config", None) or cfg  # a vision-language model: its decoder's config
+        self.decoder = getattr(model.model, "language_model", model.model)
         self.layers = list(self.decoder.layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -68,6 +90,8 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.k_cache = self._empty(0, 0)
         self.v_cache = self._empty(0, 0)
+        ids = suppressed_ids(model)  # a VLM never samples image placeholders (nor does its trainer score them)
+        self.suppressed = torch.tensor(ids, device=device) if ids else None
         self.exact = False  # true on-policy mode (miles_agent.true_on_policy), set by the engine
 
     @property
@@ -109,10 +133,17 @@ class ModelRunner:
         return mlp.experts(flat, experts, weights).view_as(x)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                 routing: list[torch.Tensor] | None) -> torch.Tensor:
-        """Hidden states (before the final norm) for ids [B, T] at positions [B, T]."""
+                 routing: list[torch.Tensor] | None, rope: torch.Tensor | None = None,
+                 visual: list[tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = ()) -> torch.Tensor:
+        """Hidden states (before the final norm) for ids [B, T] at positions [B, T].
+
+        A vision-language model's rotary positions ``rope`` ([3, B, T] M-RoPE) differ from the cache
+        positions; ``visual`` rows ``(b, columns, features, deepstack)`` replace those columns' embeddings
+        with image features and add the DeepStack features after the first layers, as HF's forward does."""
         h = self.decoder.embed_tokens(ids)
-        cos, sin = self.decoder.rotary_emb(h, positions)
+        for b, cols, feats, _ in visual:
+            h[b, cols] = feats.to(h.dtype)
+        cos, sin = self.decoder.rotary_emb(h, positions if rope is None else rope)
         batch, length = ids.shape
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -124,10 +155,14 @@ class ModelRunner:
             out = attend(i, q, k, v).transpose(1, 2).reshape(batch, length, -1)
             h = h + attn.o_proj(out)
             h = h + self._mlp(layer, layer.post_attention_layernorm(h), routing)
+            for b, cols, _, deep in visual:
+                if i < len(deep):
+                    h[b, cols] += deep[i].to(h.dtype)
         return h
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.decoder.norm(hidden)).float()
+        logits = self.model.lm_head(self.decoder.norm(hidden)).float()
+        return mask_suppressed(logits, self.suppressed) if self.suppressed is not None else logits
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               q_pos: torch.Tensor) -> torch.Tensor:
@@ -146,7 +181,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], seqs: list[list[int]], record_routing: bool,
-                starts: list[int] | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
+                starts: list[int] | None = None, vision: list[VisionInputs | None] | None = None,
+                ) -> tuple[torch.Tensor, np.ndarray | None]:
         """Run token spans into their slots, padded to one batch: ``seqs[b]`` goes at positions
         ``starts[b]...``, attending to the slot's cache before it (a cached prefix or an earlier chunk).
 
@@ -184,7 +220,15 @@ class ModelRunner:
                 return self._sdpa(q, k, v, mask, positions)
 
         routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
-        h = self._forward(ids, positions, attend, routing)
+        rope, visual = None, []
+        if vision and any(v is not None for v in vision):
+            rope = positions[None].expand(3, -1, -1).clone()
+            for b, v in enumerate(vision):
+                if v is not None:
+                    rope[:, b, :len(seqs[b])], row = v.window(starts[b], len(seqs[b]))
+                    if row is not None:
+                        visual.append((b, *row))
+        h = self._forward(ids, positions, attend, routing, rope, visual)
         last = h[torch.arange(batch, device=self.device), lens - 1]
         return self._logits(last), self._routing_rows(routing)
 
@@ -202,7 +246,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int],
-               record_routing: bool) -> tuple[torch.Tensor, np.ndarray | None]:
+               record_routing: bool, rope_deltas: list[int] | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
         """One token per slot at its position (= the slot's cache length); appends to the cache.
 
         Returns float32 logits [B, V] and, when asked on a MoE model, int32 routing [B, moe_layers, top_k].
@@ -231,7 +275,10 @@ class ModelRunner:
             return self._sdpa(q, keys, values, mask, pos[:, None])
 
         routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
-        h = self._forward(ids, pos[:, None], attend, routing)
+        rope = None
+        if rope_deltas and any(rope_deltas):  # after an image, M-RoPE positions run ahead of (or behind) the cache
+            rope = (pos + torch.tensor(rope_deltas, device=self.device))[:, None]
+        h = self._forward(ids, pos[:, None], attend, routing, rope)
         rows = self._routing_rows(routing)
         return self._logits(h[:, 0]), (None if rows is None else rows[:, 0])
 
@@ -251,6 +298,26 @@ class ModelRunner:
 
             return true_on_policy.log_softmax(logits).gather(-1, targets).squeeze(-1).tolist()
         return (logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)).tolist()
+
+    @torch.inference_mode()
+    def encode_images(self, ids: list[int], image_spans: list[tuple[int, int]], pngs: list[bytes]) -> VisionInputs:
+        """A prompt's image features (HF's own vision tower and merger) and M-RoPE positions (HF's
+        ``get_rope_index``): the trainer's forward computes both the same way."""
+        from miles_agent.models.vision import pixel_inputs
+
+        inner = self.model.model
+        pixels, grid = pixel_inputs(pngs)
+        out = inner.get_image_features(pixels.to(self.device), grid.to(self.device), return_dict=True)
+        feats = torch.cat(out.pooler_output)
+        deep = [torch.cat(d) for d in (getattr(out, "deepstack_features", None) or ())]
+        x = torch.tensor([ids], device=self.device)
+        token_type = (x == self.config.image_token_id).int()
+        rope, delta = inner.get_rope_index(x, token_type, grid.to(self.device))
+        cols = torch.cat([torch.arange(a, b, device=self.device) for a, b in image_spans])
+        if cols.numel() != feats.shape[0]:
+            raise ValueError(f"the images have {feats.shape[0]} placeholder tokens after patching but the ids hold "
+                             f"{cols.numel()}; expand each <|image_pad|> to placeholder_count(png) tokens")
+        return VisionInputs(rope[:, 0], int(delta.reshape(-1)[0]), cols, feats, deep)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

@@ -45,6 +45,8 @@ class Sequence:
     routing_rows: int = 0
     generator: torch.Generator | None = None
     prefilled: bool = False
+    images: tuple = ()  # the prompt's ImageInputs (a vision-language model)
+    vision: Any = None  # their features and M-RoPE positions while the sequence holds a slot (VisionInputs)
     kv_epoch: int = -1  # the engine's weight epoch when this slot's KV began (the prefix cache takes only current KV)
 
     def __post_init__(self) -> None:

@@ -71,13 +71,14 @@ class SGLangEngine:
         return self._version
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None, *,
-                       return_routed_experts: bool = False) -> Completion:
+                       return_routed_experts: bool = False, images: Iterable[Any] = ()) -> Completion:
+        """One ``/generate``; ``images`` (a vision-language policy's `ImageInput`s) travel as ``image_data``."""
         aiohttp = _aiohttp()
         sampling = sampling or SamplingParams()
         ids = [int(t) for t in input_ids]
         if not ids:
             raise ValueError("input_ids is empty; the engine needs at least one prompt token")
-        payload = generate_payload(ids, sampling, return_routed_experts=return_routed_experts)
+        payload = generate_payload(ids, sampling, return_routed_experts=return_routed_experts, images=list(images))
         self.stats["requests"] += 1
         target = self._pick()
         url = f"{target}/generate"

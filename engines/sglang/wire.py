@@ -1,7 +1,7 @@
 """SGLang's ``/generate`` wire format, both ways, with no HTTP in it (so it is tested byte for byte).
 
 Request: `GenerateReqInput` (sglang/srt/managers/io_struct.py) -- ``input_ids``, ``sampling_params``,
-``return_logprob``, ``return_routed_experts``. Response (tokenizer_manager.py, non-streaming):
+``return_logprob``, ``return_routed_experts``, ``image_data`` (base64 PNG data URLs). Response (tokenizer_manager.py, non-streaming):
 ``{"text", "output_ids", "meta_info"}`` with ``meta_info`` keys ``finish_reason`` (``{"type": "stop",
 "matched": ...}``, ``{"type": "length", "length": n}``, ``{"type": "abort", "message": ...}``; None while
 unfinished), ``prompt_tokens``, ``completion_tokens``, ``weight_version`` (a string), ``weight_versions``
@@ -14,20 +14,34 @@ unfinished), ``prompt_tokens``, ``completion_tokens``, ``weight_version`` (a str
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from miles_agent.engine import Completion, FinishReason, SamplingParams
 
+PNG_DATA_URL = "data:image/png;base64,"
+
+
+def decode_image_data(items: Sequence[str]) -> list[bytes]:
+    """``image_data`` entries back to image bytes (base64, with or without a data-URL prefix)."""
+    return [base64.b64decode(s.split(",", 1)[1] if s.startswith("data:") else s) for s in items]
+
 
 class GenerateResponseError(ValueError):
     """A ``/generate`` response that does not have SGLang's shape (or contradicts itself)."""
 
 
-def generate_payload(input_ids: list[int], sampling: SamplingParams, *, return_routed_experts: bool) -> dict:
+def generate_payload(input_ids: list[int], sampling: SamplingParams, *, return_routed_experts: bool,
+                     images: Sequence[Any] = ()) -> dict:
+    """SGLang's ``/generate`` body. ``images`` (`ImageInput`s, in token order) go as ``image_data``, SGLang's
+    multimodal field: one base64 data URL per image, beside ``input_ids`` that already hold each image's
+    expanded placeholder run (token in, token out: the server does not re-tokenize)."""
     payload: dict[str, Any] = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling.to_sglang(),
                                "return_logprob": True}
+    if images:
+        payload["image_data"] = [PNG_DATA_URL + base64.b64encode(im.data).decode("ascii") for im in images]
     if return_routed_experts:
         payload["return_routed_experts"] = True
     if sampling.lora_path is not None:  # GenerateReqInput.lora_path: the loaded adapter serving this request

@@ -12,6 +12,9 @@ from typing import Any
 
 from miles_agent.errors import UserError
 
+VISION_TOKEN_IDS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                    "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+
 # Small enough to train in minutes on 2 CPU cores, large enough to learn a tool-use format.
 # Qwen3 normalizes queries and keys (QK-norm), so with norm weights at 1 an attention logit is at most
 # sqrt(head_dim) and a tiny model needs thousands of steps to sharpen attention enough to copy from
@@ -30,6 +33,19 @@ TINY_ARCHS: dict[str, dict[str, Any]] = {
         num_local_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
         max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
     ),
+    # Qwen3-VL: the tiny Qwen3 decoder (interleaved 3-D M-RoPE, mrope_section sums to head_dim / 2) behind a
+    # 2-block ViT whose 2x2-merged patches, plus DeepStack features of both blocks, feed the decoder.
+    "tiny-qwen3-vl": dict(
+        model_type="qwen3_vl",
+        text_config=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[6, 5, 5],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
+                           deepstack_visual_indexes=[0, 1], num_position_embeddings=256),
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -42,6 +58,12 @@ def tiny_config(arch: str, tokenizer) -> Any:  # noqa: ANN001
                         "or set model.hf_checkpoint to an HF-format folder")
     spec = dict(TINY_ARCHS[arch])
     model_type = spec.pop("model_type")
+    if "vision_config" in spec:  # the vision tokens are the tokenizer's (build_byte_tokenizer(vision=True))
+        ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in VISION_TOKEN_IDS.items()}
+        text = dict(spec.pop("text_config"), vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+        return AutoConfig.for_model(model_type, text_config=text, **ids, eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.pad_token_id, **spec)
     return AutoConfig.for_model(
         model_type, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **spec)
@@ -50,22 +72,33 @@ def tiny_config(arch: str, tokenizer) -> Any:  # noqa: ANN001
 def build_tiny(arch: str, seed: int = 0, dtype: str = "float32"):  # noqa: ANN201
     """(model, tokenizer) for a tiny architecture with a seeded random init."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from miles_agent.models.tokenizer import build_byte_tokenizer
 
-    tokenizer = build_byte_tokenizer()
+    vision = "vision_config" in TINY_ARCHS.get(arch, {})
+    tokenizer = build_byte_tokenizer(vision=vision)
     config = tiny_config(arch, tokenizer)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = auto.from_config(config, dtype=getattr(torch, dtype))
+    decoder = getattr(model.model, "language_model", model.model)
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in decoder.layers:
             layer.self_attn.q_norm.weight.fill_(TINY_QK_NORM_INIT)
             layer.self_attn.k_norm.weight.fill_(TINY_QK_NORM_INIT)
     model.config.architectures = [type(model).__name__]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.eval(), tokenizer
+    return model.eval(), with_vision(tokenizer, model)
+
+
+def with_vision(tokenizer: Any, model: Any) -> Any:
+    """A vision-language model's tokenizer names its image placeholder id: harnesses then send images."""
+    cfg = model.config
+    if getattr(cfg, "vision_config", None) is not None and getattr(cfg, "image_token_id", None) is not None:
+        tokenizer.image_placeholder_id = int(cfg.image_token_id)
+    return tokenizer
 
 
 def check_safetensors(path: Path) -> None:
@@ -104,10 +137,13 @@ def load_hf(path: str | Path, dtype: str = "float32"):  # noqa: ANN201
         raise UserError(f"{p} has no usable tokenizer ({e}); save the tokenizer with the model") from None
     for f in sorted(p.glob("*.safetensors")):
         check_safetensors(f)
+    vision = "vision_config" in json.loads((p / "config.json").read_text())
+    if vision:
+        from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
     model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype))
     if arch is None:
         model.config.architectures = [type(model).__name__]
-    return model.eval(), tokenizer
+    return model.eval(), with_vision(tokenizer, model)
 
 
 def save_hf(model, tokenizer, path: str | Path) -> None:  # noqa: ANN001

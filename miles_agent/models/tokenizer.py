@@ -13,6 +13,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Markup the model writes or reads, one token each (as in Qwen): added tokens, not special ones, so
 # decoding keeps them.
 MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# A vision tokenizer's image markers (Qwen-VL's): one <|image_pad|> per image in a render, which the harness
+# expands to the image's placeholder count (miles_agent.models.vision.placeholder_count).
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
@@ -52,8 +55,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_byte_tokenizer():  # -> transformers.PreTrainedTokenizerFast
-    """Build the tokenizer from nothing: 256 byte tokens, then the special and markup tokens."""
+# Message content given as parts ({"type": "image"} / {"type": "text", "text": ...}) renders each image as
+# Qwen-VL's <|vision_start|><|image_pad|><|vision_end|>; a string renders as itself.
+VISION_CONTENT = (
+    "{% macro content(c) %}{% if c is string %}{{ c }}{% else %}{% for part in c %}"
+    "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
+    "{% endfor %}{% endif %}{% endmacro %}"
+)
+
+
+def build_byte_tokenizer(vision: bool = False):  # -> transformers.PreTrainedTokenizerFast
+    """Build the tokenizer from nothing: 256 byte tokens, then the special and markup tokens (and with
+    ``vision`` the image markers, and a template that renders image content parts)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -66,10 +79,14 @@ def build_byte_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        additional_special_tokens=SPECIAL_TOKENS[1:], clean_up_tokenization_spaces=False,
+        additional_special_tokens=SPECIAL_TOKENS[1:] + (VISION_TOKENS if vision else []),
+        clean_up_tokenization_spaces=False,
     )
     tok.add_tokens(MARKUP_TOKENS)
     tok.chat_template = CHAT_TEMPLATE
+    if vision:
+        tok.chat_template = VISION_CONTENT + CHAT_TEMPLATE.replace("{{ message.content }}",
+                                                                    "{{ content(message.content) }}")
     tok.model_max_length = 1 << 16
     return tok
 

@@ -4,8 +4,10 @@ it was shown (loss-masked), decoded with the run's own tokenizer. Every decoded 
 
 from __future__ import annotations
 
+import base64
 import html
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,14 +31,27 @@ def find_tokenizer(run_dir: Path) -> tuple[Decode, str]:
             path = Path(folder) / "tokenizer.json"
             return _decoder(Tokenizer.from_file(str(path))), str(path)
     if str(cfg.get("arch", "tiny-qwen3")).startswith("tiny-"):
+        from miles_agent.models.builder import TINY_ARCHS
         from miles_agent.models.tokenizer import build_byte_tokenizer
 
-        return _decoder(build_byte_tokenizer()), "the built-in byte tokenizer"  # what tiny models use
+        vision = "vision_config" in TINY_ARCHS.get(str(cfg.get("arch", "")), {})  # a VLM's image markers
+        return _decoder(build_byte_tokenizer(vision=vision)), "the built-in byte tokenizer"  # what tiny models use
     return (lambda ids: " ".join(map(str, ids))), "none found (showing token ids)"
 
 
 def _decoder(tok: Any) -> Decode:
-    return lambda ids: tok.decode(ids, skip_special_tokens=False)
+    pads = re.compile(r"(?:<\|image_pad\|>)+")  # an image's placeholder run, shown as one marker and its length
+    return lambda ids: pads.sub(lambda m: f"<|image_pad|>x{len(m.group()) // 13}",
+                                tok.decode(ids, skip_special_tokens=False))
+
+
+def _screens(traj: Trajectory, where: Callable[[int], bool]) -> str:
+    """The trajectory's images whose placeholders start where ``where(start)`` holds, inline as PNGs."""
+    shots = [f"<figure class='screen'><img alt='image {k}' src='data:image/png;base64,"
+             f"{base64.b64encode(im.data).decode()}' width='{min(im.width, 480)}'><figcaption>image {k}: "
+             f"{im.width}x{im.height}, tokens {im.start}-{im.end}</figcaption></figure>"
+             for k, im in enumerate(traj.images) if where(im.start)]
+    return "".join(shots)
 
 
 def _runs(mask: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
@@ -66,7 +81,8 @@ def render_trajectory(traj: Trajectory, decode: Decode, step: int, advantages: l
     if traj.metadata.get("error"):
         head += f"<p class='error'>error: {_esc(str(traj.metadata['error']))}</p>"
     body = [f"<div class='turn prompt'><div class='turn-label'>prompt ({len(traj.prompt_ids)} tokens, "
-            f"masked)</div><pre class='masked'>{_esc(decode(traj.prompt_ids))}</pre></div>"]
+            f"masked)</div><pre class='masked'>{_esc(decode(traj.prompt_ids))}</pre>"
+            f"{_screens(traj, lambda s: s < len(traj.prompt_ids))}</div>"]
     turns: dict[int, list[str]] = {}
     for span in traj.spans:
         for a, b, m in _runs(traj.loss_mask, span.start, span.end):
@@ -76,10 +92,13 @@ def render_trajectory(traj: Trajectory, decode: Decode, step: int, advantages: l
             turns.setdefault(span.turn, []).append(
                 f"<span class='{cls} {span.kind.value}' data-kind='{span.kind.value}' data-mask='{m}' "
                 f"title='{_esc(tip)}'>{_esc(decode(response[a:b]))}</span>")
+    n = len(traj.prompt_ids)
     for turn, pieces in sorted(turns.items()):
         n_model = sum(s.end - s.start for s in traj.spans if s.turn == turn and s.kind is SpanKind.MODEL)
+        spans = [(n + s.start, n + s.end) for s in traj.spans if s.turn == turn]
+        shots = _screens(traj, lambda p, spans=spans: any(a <= p < b for a, b in spans))
         body.append(f"<div class='turn'><div class='turn-label'>turn {turn} ({n_model} sampled tokens)</div>"
-                    f"<pre>{''.join(pieces)}</pre></div>")
+                    f"<pre>{''.join(pieces)}</pre>{shots}</div>")
     return f"<section class='trajectory' data-status='{_esc(traj.status.value)}'>{head}{''.join(body)}</section>"
 
 

@@ -63,12 +63,12 @@ class EpisodePolicy:
         self.oldest: int | None = None
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
-                       return_routed_experts: bool = False) -> Completion:
+                       return_routed_experts: bool = False, **images: object) -> Completion:
         if sampling.seed is None:
             sampling = replace(sampling, seed=request_seed(*self.seed_parts, self.calls))
         self.calls += 1
         epoch = self.epoch()
-        c = await self.engine.generate(input_ids, sampling, return_routed_experts=return_routed_experts)
+        c = await self.engine.generate(input_ids, sampling, return_routed_experts=return_routed_experts, **images)
         if c.finish_reason is FinishReason.ABORT and self.epoch() != epoch:
             raise Preempted()
         oldest = min(completion_versions(c))

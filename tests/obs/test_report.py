@@ -126,3 +126,31 @@ def test_decoded_text_is_escaped_and_masks_split_spans(tokenizer):
     # a model span the trainer must not learn from (loss mask 0) is shown masked, not trained
     assert "<span class='masked model' data-kind='model' data-mask='0'" in html and ">cutoff</span>" in html
     assert "advantage +0.500" in html and "turn 1 (2 sampled tokens)" in html
+
+
+def test_screenshots_show_inline_where_their_placeholders_are():
+    import base64 as b64
+
+    from miles_agent.report.trajectories import _decoder
+    from miles_agent.types import ImageInput
+    from tests.desktop.test_trajectory_images import png
+
+    first, second = png(4, 3, 10), png(2, 2, 200)
+    traj = Trajectory(prompt_ids=[1, 9, 9, 2], images=[ImageInput(1, 3, 9, first)])
+    traj.append_model([5], [-0.1], weight_version=0, turn=0)
+    traj.append_observation([6, 9, 9, 9], turn=1, images=[ImageInput(1, 4, 9, second)])
+    traj.append_model([7], [-0.1], weight_version=0, turn=1)
+    traj.reward = 0.0
+    html = render_trajectory(traj.validate(), lambda ids: " ".join(map(str, ids)), step=0, advantages=None)
+    import re
+
+    prompt, turn0, turn1 = re.split(r"<div class='turn(?: prompt)?'>", html)[1:]
+    assert b64.b64encode(first).decode() in prompt and "image 0: 4x3, tokens 1-3" in prompt
+    assert "<img" not in turn0
+    assert b64.b64encode(second).decode() in turn1 and "image 1: 2x2, tokens 6-9" in turn1
+
+    from miles_agent.models.tokenizer import build_byte_tokenizer
+
+    tok = build_byte_tokenizer(vision=True)
+    ids = tok.encode("a<|vision_start|>" + "<|image_pad|>" * 54 + "<|vision_end|>b", add_special_tokens=False)
+    assert _decoder(tok)(ids) == "a<|vision_start|><|image_pad|>x54<|vision_end|>b"

@@ -124,8 +124,10 @@ class FakeSGLang:
                                       stop=tuple(sp.get("stop") or ()), seed=sp.get("sampling_seed"))
             self.requests += 1
             self.log("generate")
+            images = self.images(body)  # like SGLang's multimodal processor: one expanded pad run per image
             c = await self.engine.generate(body["input_ids"], sampling,
-                                           return_routed_experts=bool(body.get("return_routed_experts")))
+                                           return_routed_experts=bool(body.get("return_routed_experts")),
+                                           **({"images": images} if images else {}))
         except ValueError as e:  # SGLang validates in the tokenizer manager and answers 400
             return error(str(e))
         n = len(c.output_ids)
@@ -150,6 +152,24 @@ class FakeSGLang:
             meta["routed_experts"] = base64.b64encode(c.routed_experts.astype("int32").tobytes()).decode()
         text = self.engine.tokenizer.decode(c.output_ids) if self.engine.tokenizer is not None else ""
         return web.json_response({"text": text, "output_ids": c.output_ids, "meta_info": meta})
+
+    def images(self, body: dict[str, Any]) -> list[Any]:
+        """``image_data`` (base64 data URLs, in order) matched to the runs of the model's image token id."""
+        from miles_agent.engines.sglang.wire import decode_image_data
+        from miles_agent.models.vision import vision_token_ids
+        from miles_agent.tito import image_inputs
+        from miles_agent.types import TrajectoryError
+
+        data = body.get("image_data") or []
+        if not data:
+            return []
+        vision = vision_token_ids(self.engine.model)
+        if vision is None:
+            raise ValueError(f"image_data sent to {self.model_path}, which is not a multimodal model")
+        try:
+            return image_inputs(body["input_ids"], vision[0], decode_image_data(data))
+        except TrajectoryError as e:
+            raise ValueError(f"image_data does not match the prompt's image tokens: {e}") from None
 
     # -- health and info -----------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:

@@ -173,3 +173,69 @@ def test_pause_modes_through_http(dense_server, mode):
         else:
             assert c.finish_reason is FinishReason.LENGTH and c.output_ids == ref.output_ids
             assert c.meta["retractions"] == (1 if mode == "retract" else 0)
+
+
+def vlm_request():
+    """A prompt with two expanded images for the tiny VLM: (model, tokenizer, ids, images, pngs)."""
+    import io
+
+    from PIL import Image
+
+    from miles_agent.models.vision import expand_images
+
+    model, tok = tiny("tiny-qwen3-vl")
+    pngs = []
+    for shade in (10, 200):
+        buf = io.BytesIO()
+        Image.new("RGB", (96, 64), (shade, 0, 0)).save(buf, format="PNG")
+        pngs.append(buf.getvalue())
+    prompt = tok.encode("look <|vision_start|><|image_pad|><|vision_end|> then <|vision_start|><|image_pad|>"
+                        "<|vision_end|> now", add_special_tokens=False)
+    ids, images = expand_images(prompt, model.config.image_token_id, pngs)
+    return model, tok, ids, images, pngs
+
+
+def test_images_go_as_image_data_beside_the_expanded_ids():
+    """SGLang's multimodal /generate: ``input_ids`` with each image's expanded placeholder run, ``image_data``
+    one base64 PNG data URL per image, in order."""
+    from miles_agent.engines.sglang.wire import decode_image_data, generate_payload
+
+    _, _, ids, images, pngs = vlm_request()
+    payload = generate_payload(ids, GREEDY, return_routed_experts=False, images=images)
+    assert payload["input_ids"] == ids and all(s.startswith("data:image/png;base64,") for s in payload["image_data"])
+    assert decode_image_data(payload["image_data"]) == pngs
+    assert "image_data" not in generate_payload(ids, GREEDY, return_routed_experts=False)
+
+
+def test_the_fake_server_reads_image_data_as_the_engine_would():
+    """The fake SGLang server (served in this process, on a loopback port) gets the images back from
+    ``image_data`` and its engine's completion equals the engine's own on the same images."""
+    from aiohttp import web
+
+    from tests.sglang.fake_sglang_server import FakeSGLang
+
+    model, tok, ids, images, pngs = vlm_request()
+    engine = EmbeddedEngine(model, tok, max_batch_size=4)
+    engine.eos_ids = frozenset()
+    other = [images[0], type(images[1])(images[1].start, images[1].end, images[1].token_id, pngs[0])]
+
+    async def main():
+        ref = await engine.generate(ids, GREEDY, images=images)
+        runner = web.AppRunner(FakeSGLang(engine, "tiny-qwen3-vl", {}).app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        client = SGLangEngine(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        try:
+            c = await client.generate(ids, GREEDY, images=images)
+            swapped = await client.generate(ids, GREEDY, images=other)
+            with pytest.raises(ValueError, match="placeholder ids but its images cover 0"):
+                await client.generate(ids, GREEDY)  # no image_data: the server refuses the image tokens (400)
+            return ref, c, swapped
+        finally:
+            await client.shutdown()
+            await runner.cleanup()
+
+    ref, c, swapped = run(main)
+    assert c.output_ids == ref.output_ids and c.output_logprobs == ref.output_logprobs
+    assert swapped.output_logprobs != c.output_logprobs  # the server read the second image, not a default
