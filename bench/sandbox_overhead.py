@@ -4,7 +4,9 @@
    ipc, uts namespaces, rlimits, a pids cgroup where writable) against a bare asyncio subprocess
    running ``true`` with the same pipes, measured interleaved in the same run; p50/p90 and ratios.
    ``isolation="none"`` is shown too (rlimits and cgroup, no namespaces).
-   The overhead (p50 minus bare p50) is the figure to hold under 10 ms on an idle machine.
+   The overhead (p50 minus bare p50) is the figure to hold under 10 ms on an idle machine. On shared
+   cores, this process's CPU time and voluntary context switches per exec (the round trips) are printed
+   too: other jobs disturb them far less than wall time.
 2. The same from a trainer-sized process (``--resident-gib``, default 2 GiB touched): spawning must
    not copy the caller's page tables (a fork instead of a vfork costs ~150 ms per command at 4 GiB).
 3. Episode throughput: 32 sandboxes at once, each start -> 3 execs -> stop; episodes per second.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import resource
 import shutil
 import statistics
 import time
@@ -37,8 +41,19 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples) * 1e3, q[8] * 1e3
 
 
+CPU: dict[str, list[float]] = {}  # per variant: [this process's CPU seconds, voluntary context switches, runs]
+
+
+def _usage() -> tuple[float, int]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return time.process_time(), ru.ru_nvcsw
+
+
 async def exec_latency(iters: int, isolations: list[str]) -> dict[str, list[float]]:
-    """Interleaved, so machine noise hits every variant alike."""
+    """Interleaved, so machine noise hits every variant alike. Also counts, per variant, this process's
+    CPU time and voluntary context switches (each a wait on another thread or process: the round trips),
+    which other jobs on shared cores disturb far less than wall time."""
+    CPU.clear()
     boxes = {}
     for isolation in isolations:
         boxes[isolation] = LocalSandbox(isolation=isolation)
@@ -50,18 +65,26 @@ async def exec_latency(iters: int, isolations: list[str]) -> dict[str, list[floa
             for box in boxes.values():
                 await box.exec("true")
         for _ in range(iters):
-            t = time.perf_counter()
+            t, (c, v) = time.perf_counter(), _usage()
             await bare_true()
             times["bare"].append(time.perf_counter() - t)
+            _count("bare", c, v)
             for name, box in boxes.items():
-                t = time.perf_counter()
+                t, (c, v) = time.perf_counter(), _usage()
                 result = await box.exec("true")
                 times[name].append(time.perf_counter() - t)
+                _count(name, c, v)
                 assert result.exit_code == 0, result
     finally:
         for box in boxes.values():
             await box.stop()
     return times
+
+
+def _count(name: str, cpu0: float, vcsw0: int) -> None:
+    cpu, vcsw = _usage()
+    acc = CPU.setdefault(name, [0.0, 0, 0])
+    acc[0], acc[1], acc[2] = acc[0] + cpu - cpu0, acc[1] + vcsw - vcsw0, acc[2] + 1
 
 
 async def episode(isolation: str, execs: int) -> None:
@@ -91,6 +114,11 @@ def report(title: str, times: dict[str, list[float]], isolations: list[str]) -> 
         p50, p90 = percentiles(times[name])
         print(f"  local sandbox {name:<6}  p50 {p50:7.2f} ms   p90 {p90:7.2f} ms   ratio vs bare: p50 "
               f"{p50 / bare50:5.1f}x  p90 {p90 / bare90:5.1f}x   overhead p50 {p50 - bare50:6.2f} ms")
+    for name in ["bare", *isolations]:
+        cpu, vcsw, n = CPU.get(name, [0.0, 0, 1])
+        print(f"  {name:<6} this process per exec: CPU {cpu / n * 1e3:5.2f} ms, {vcsw / n:4.1f} voluntary context "
+              "switches")
+    print(f"  load average {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:

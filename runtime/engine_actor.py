@@ -54,6 +54,16 @@ class EngineActor:
         await self.engine.update_weights(named_tensors(weights), version)
         return self.engine.weight_version
 
+    async def sync_weights(self, weights: Any, version: int) -> bool:
+        """The supervisor's whole per-engine push in one actor call (one round trip, not four): weights back
+        on the device, pause in place, load ``weights`` as ``version``, resume. Returns whether the memory
+        had been released (colocation). A failed load leaves the engine paused, as the separate calls did."""
+        was_released = await self.resume_memory()
+        await self.pause(PauseMode.IN_PLACE)
+        await self.update_weights(weights, version)
+        await self.resume()
+        return was_released
+
     # -- SGLang's weight-update calls, so trainer rank 0 can broadcast to this engine (runtime/rank0_sync.py)
     async def pause_generation(self, mode: str = "in_place") -> None:
         await self.receiver.pause_generation(mode)

@@ -194,11 +194,7 @@ class EngineSupervisor:
     async def _sync_one(self, slot: _Slot, actor: Any, ref: Any, version: int) -> bool | None:
         """Whether the engine had released its memory (colocation), or None when it died meanwhile."""
         try:
-            was_released = await actor.resume_memory.remote()
-            await actor.pause.remote(PauseMode.IN_PLACE)
-            await actor.update_weights.remote(ref, version)
-            await actor.resume.remote()
-            return bool(was_released)
+            return bool(await actor.sync_weights.remote(ref, version))  # resume memory, pause, load, resume
         except actor_failures():
             self._failed(slot, actor, "died during a weight update")
             return None

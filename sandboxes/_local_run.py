@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import resource
+import select
 import signal
 import time
 from collections.abc import Callable
@@ -168,6 +169,7 @@ class Execution:
         self._status_fd: int | None = None
         self._block_w: int | None = None  # bwrap --block-fd: written once the init has its rlimits
         self._setup_error: str | None = None
+        self._watch_handle: asyncio.TimerHandle | None = None
 
     def kill(self, reason: str) -> None:
         """Kill the whole command tree, remembering the first reason."""
@@ -198,15 +200,16 @@ class Execution:
         readers = await self._spawn(out, err)
         proc = self.proc
         assert proc is not None
-        watcher = asyncio.create_task(self._watch())
+        # Timers, not tasks: the wall-time kill and the process watchdog cost no event-loop round trip
+        # of their own on a command that ends before them (most do).
+        loop = asyncio.get_running_loop()
+        wall = loop.call_later(self.plan.wall_s, self.kill, "wall_time")
+        self._watch_handle = loop.call_later(WATCH_INTERVAL_S, self._watch)
         try:
-            try:
-                await asyncio.wait_for(proc.wait(), self.plan.wall_s)
-            except TimeoutError:
-                self.kill("wall_time")
-                await proc.wait()
+            await proc.wait()
         finally:
-            watcher.cancel()
+            wall.cancel()
+            self._watch_handle.cancel()
             if proc.returncode is None:  # cancelled from outside: never leave it running
                 self.kill("cancelled")
                 await asyncio.shield(proc.wait())
@@ -318,18 +321,16 @@ class Execution:
         if buf.total > self.plan.output_kill_bytes and self.reason is None:
             self.kill("output")
 
-    async def _watch(self) -> None:
-        """Every WATCH_INTERVAL_S: a process limit hit ends the command (a fork bomb would spin until
-        the wall timeout otherwise)."""
-        max_procs = self.plan.limits.max_processes
-        while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
-            cg = self.plan.cgroup
-            if cg is not None:
-                if cg.limit_hits() > 0:
-                    self.kill("processes")
-            elif (n := self._count_processes()) is not None and n > max_procs:
+    def _watch(self) -> None:
+        """Every WATCH_INTERVAL_S while the command runs: a process limit hit ends the command (a fork
+        bomb would spin until the wall timeout otherwise)."""
+        cg = self.plan.cgroup
+        if cg is not None:
+            if cg.limit_hits() > 0:
                 self.kill("processes")
+        elif (n := self._count_processes()) is not None and n > self.plan.limits.max_processes:
+            self.kill("processes")
+        self._watch_handle = asyncio.get_running_loop().call_later(WATCH_INTERVAL_S, self._watch)
 
     def _count_processes(self) -> int | None:
         """Processes of this command where no cgroup counts them: the sandbox's own /proc (bwrap), or
@@ -353,7 +354,8 @@ class Execution:
                 except (ProcessLookupError, PermissionError):
                     pass
             await self._await_teardown()
-            await asyncio.wait([r.done for r in readers], timeout=DRAIN_GRACE_S)
+            if not all(r.done.done() for r in readers):
+                await asyncio.wait([r.done for r in readers], timeout=DRAIN_GRACE_S)
         finally:
             for reader in readers:
                 reader.close()
@@ -371,7 +373,7 @@ class Execution:
         deadline = time.monotonic() + REAP_TIMEOUT_S
         if self._status_fd is not None:
             self._on_status()
-        if self._init_pidfd is not None:
+        if self._init_pidfd is not None and not _readable(self._init_pidfd):  # not yet gone: wait for it
             loop = asyncio.get_running_loop()
             exited = loop.create_future()
             loop.add_reader(self._init_pidfd, lambda: exited.done() or exited.set_result(None))
@@ -427,6 +429,11 @@ def _classify(code: int, stderr: str, cgroup: PidsCgroup | None) -> str | None:
     if any(p in stderr for p in MEMORY_PATTERNS):
         return "memory"
     return None
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` polls readable now (a pidfd: its process has exited), without blocking."""
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def _pipe_with(data: bytes) -> int:

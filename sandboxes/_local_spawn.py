@@ -8,7 +8,7 @@ without an exec of a helper (sh, setpriv, nsenter, prlimit) on every command:
 - the command's pids cgroup (v1 moves single threads): the thread steps in, forks, steps out;
 - the sandbox's uid/gid (raw per-thread ``setres[ug]id``, see `_as_ids`), not Popen(user=), which forks;
 - the storage's mount namespace (``setns``, root callers), so no ``nsenter`` is needed.
-It also lowers rlimits as their owner where root lacks CAP_SYS_RESOURCE (`set_limits`). The thread
+`set_limits` lowers rlimits as their owner where root lacks CAP_SYS_RESOURCE (on the caller's thread). The thread
 lives as long as the process: a child's ``PR_SET_PDEATHSIG`` (the storage holder's) fires when the
 thread that spawned it exits.
 
@@ -179,12 +179,15 @@ def _set_limits_as(uid: int, gid: int, pid: int, values: Sequence[tuple[int, int
 
 
 def set_limits(pid: int, values: Sequence[tuple[int, int, int]], as_ids: tuple[int, int] | None) -> None:
-    """Set rlimits on ``pid``; with ``as_ids`` (uid, gid), from the spawner thread acting as their owner."""
+    """Set rlimits on ``pid``; with ``as_ids`` (uid, gid), acting as their owner for those few syscalls.
+    The switch is the calling thread's alone (raw per-thread syscalls, back to root in ``finally``), and
+    nothing else runs on it meanwhile, so the event loop may do it itself: no hop to the spawner thread
+    and back on every command."""
     if as_ids is None:
         for res, soft, hard in values:
             resource.prlimit(pid, res, (soft, hard))
         return
-    _spawner().submit(_set_limits_as, as_ids[0], as_ids[1], pid, values).result()
+    _set_limits_as(as_ids[0], as_ids[1], pid, values)
 
 
 class SpawnedProcess:

@@ -277,6 +277,18 @@ class LocalSandbox(Sandbox):
         (/workspace or the task's workdir, /tmp, /root, and any folder it makes), under the system mounts."""
         return {"root": self._fs_root, "chdir": self.workdir, "share_net": self.network}
 
+    def _system_links_intact(self) -> bool:
+        """Whether the root's merged-usr links are as the host has them: a few readlinks, checked on the
+        event loop before each command, so only a command that broke one costs a worker thread's repair."""
+        base = self._host_path("")
+        for name, target in system_links().items():
+            try:
+                if os.readlink(os.path.join(base, name)) != target:
+                    return False
+            except OSError:  # gone, or not a link (a folder or file in its place)
+                return False
+        return True
+
     def _fix_system_links(self) -> None:
         """Make the root's merged-usr links (``bin -> usr/bin`` ...) as the host has them, before each
         command (bwrap does not make them in a root of the sandbox's own): a command may have removed
@@ -325,7 +337,7 @@ class LocalSandbox(Sandbox):
                    env: dict[str, str] | None = None) -> ExecResult:
         """Run ``bash -c command`` in the sandbox; a limit ends the command, never the sandbox."""
         self._require_started()
-        if self.isolation == "bwrap":
+        if self.isolation == "bwrap" and not self._guard_io(lambda _r, _fd: self._system_links_intact()):
             await asyncio.to_thread(self._guard_io, lambda _r, _fd: self._fix_system_links())
         return await self._run(command, timeout_s, cwd, self._command_env(env),
                                self._agent_layout() if self.isolation == "bwrap" else {})

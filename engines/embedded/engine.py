@@ -7,7 +7,8 @@ How it works: ``generate`` enqueues a request and awaits its future. One schedul
 loop (started lazily) repeats: admit waiting requests into free KV-cache slots and prefill them as
 one padded batch, run ONE batched decode step over every running sequence, resolve the finished
 ones. The torch work runs in a worker thread (``asyncio.to_thread``) so the event loop stays free
-for the environment and harness code that runs beside the engine. The forward is
+for the environment and harness code that runs beside the engine; one hop runs steps back to back
+until something needs the loop (a new, finished or cancelled request, a pause or control call). The forward is
 `miles_agent.engines.embedded.model_runner.ModelRunner`; sampling is `miles_agent.engines.embedded.sampling`.
 
 Logprob convention (the trainer must match it): ``output_logprobs[i] = log_softmax(logits / T)[token]``
@@ -75,6 +76,8 @@ class EmbeddedEngine:
     prefill_token_budget = 32768
     #: Longest span of one prompt prefilled in one step, so a long prompt does not stall the decoders.
     prefill_chunk_tokens = 1024
+    #: Most scheduler steps one worker-thread hop runs back to back (see `_steps`).
+    max_steps_per_hop = 16
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_batch_size: int = 128,
                  device: str | torch.device = "cpu", max_seq_len: int | None = None,
@@ -119,6 +122,7 @@ class EmbeddedEngine:
         self._task: asyncio.Task | None = None
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
+        self._contenders = 0  # control calls waiting for the lock: the worker hands it back after its step
 
     # -- public API ---------------------------------------------------------------------------------
     @property
@@ -179,7 +183,7 @@ class EmbeddedEngine:
         self._bind_loop()
         assert self._lock is not None
         while True:
-            async with self._lock:
+            async with self._exclusive():
                 if self._stopped:
                     raise RuntimeError("EmbeddedEngine is shut down; create a new engine")
                 if not self._paused:
@@ -193,7 +197,7 @@ class EmbeddedEngine:
         self._bind_loop()
         assert self._lock is not None
         self._paused = True
-        async with self._lock:
+        async with self._exclusive():
             if mode is PauseMode.ABORT:
                 for seq in [*self._running, *self._waiting]:
                     seq.finish = seq.finish or FinishReason.ABORT
@@ -216,7 +220,7 @@ class EmbeddedEngine:
         self._bind_loop()
         assert self._lock is not None
         items = list(named_tensors)
-        async with self._lock:
+        async with self._exclusive():
             await asyncio.to_thread(self.runner.load_weights, items)
             self._epoch += 1
             self.cache.clear()  # everything cached was computed by the old weights
@@ -236,7 +240,7 @@ class EmbeddedEngine:
         self._bind_loop()
         assert self._lock is not None and self._wake is not None
         self._stopped = True
-        async with self._lock:
+        async with self._exclusive():
             for seq in [*self._running, *self._waiting]:
                 seq.finish = seq.finish or FinishReason.ABORT
             self._resolve()
@@ -246,6 +250,20 @@ class EmbeddedEngine:
                 await self._task
         self.runner.release()
         self.cache.clear()
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self) -> Any:
+        """The scheduler's lock for a control call; while it waits, the worker stops after its current step."""
+        assert self._lock is not None
+        self._contenders += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._contenders -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     # -- request checks --------------------------------------------------------------------------------
     def _check_request(self, input_ids: list[int], sampling: SamplingParams, routed: bool) -> list[int]:
@@ -317,7 +335,7 @@ class EmbeddedEngine:
                         continue
                     self._drop_cancelled()
                     admitted = self._admit()
-                    await asyncio.to_thread(self._step, admitted)
+                    await asyncio.to_thread(self._steps, admitted)
                     self._resolve()
                 await asyncio.sleep(0)  # let new requests and control calls in between steps
         except asyncio.CancelledError:
@@ -360,6 +378,18 @@ class EmbeddedEngine:
             self._running.append(seq)
         self._waiting.extendleft(reversed(held))
         return admitted
+
+    def _steps(self, admitted: list[tuple[Sequence, list]]) -> None:
+        """Worker-thread body: `_step`, then more steps in the same thread hop while nothing needs the
+        event loop between them -- one hop per run of decode steps instead of one per token, and the
+        same step boundaries as before: a new request, a cancelled or finished one, a pause, a stop or
+        any control call (weight update, score) ends the run after the step in flight."""
+        self._step(admitted)
+        for _ in range(self.max_steps_per_hop - 1):
+            if (self._waiting or self._paused or self._stopped or self._contenders or not self._running
+                    or any(s.finish or s.error or s.cancelled for s in self._running)):
+                return
+            self._step([])
 
     def _step(self, admitted: list[tuple[Sequence, list]]) -> None:
         """Worker-thread body: copy in cached prefixes, prefill (a chunk of) every sequence not yet

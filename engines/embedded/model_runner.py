@@ -36,8 +36,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's apply_rotary_pos_emb for [B, heads, T, head_dim] tensors."""
+    """HF's apply_rotary_pos_emb for [B, heads, T, head_dim] tensors, bit for bit (the same elementwise
+    ops). A decode step (T = 1) rotates q and k as one tensor: half the tiny kernel launches."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if q.shape[2] == 1:
+        x = torch.cat((q, k), dim=1)
+        x = x * cos + _rotate_half(x) * sin
+        return x[:, : q.shape[1]], x[:, q.shape[1]:]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

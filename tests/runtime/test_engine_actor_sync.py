@@ -1,0 +1,63 @@
+"""`EngineActor.sync_weights`, the supervisor's one-call weight push (no Ray needed: the plain class):
+it loads the weights as the new version at a step boundary, leaves the engine serving, reports whether
+the memory had been released, and a failed load changes nothing and leaves the engine paused."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from miles_agent.engine import SamplingParams
+from miles_agent.models.builder import build_tiny
+from miles_agent.runtime.engine_actor import EngineActor
+from miles_agent.runtime.packed_weights import pack_weights
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny("tiny-qwen3")
+
+
+def test_sync_weights_loads_the_version_mid_request_and_keeps_serving(tiny):
+    model, tok = tiny
+    actor = EngineActor(copy.deepcopy(model), tok, 4, "cpu")
+    actor.engine.eos_ids = frozenset()
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    packed = pack_weights(other.state_dict().items())
+
+    async def main():
+        task = asyncio.create_task(actor.generate(list(range(1, 30)), GREEDY))
+        while actor.engine.stats["decode_steps"] < 3:
+            await asyncio.sleep(0.001)
+        actor.released = True  # as after release_memory (colocation): reported, then cleared
+        was_released = await actor.sync_weights(packed, 7)
+        return was_released, await task, await actor.generate(list(range(1, 30)), GREEDY)
+
+    was_released, during, after = asyncio.run(main())
+    assert was_released is True and actor.released is False
+    assert actor.engine.weight_version == 7 and not actor.engine._paused
+    versions = during.meta["weight_versions"]
+    assert [v for v, _ in versions] == [0, 7] and 0 < versions[1][1] < GREEDY.max_new_tokens
+    assert after.weight_version == 7 and after.meta["weight_versions"] == [(7, 0)]
+    for name, t in other.state_dict().items():
+        assert torch.equal(actor.engine.model.state_dict()[name], t), name
+
+
+def test_sync_weights_with_a_bad_tensor_changes_nothing(tiny):
+    model, tok = tiny
+    actor = EngineActor(copy.deepcopy(model), tok, 4, "cpu")
+    before = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
+    bad = pack_weights([("model.norm.weight", torch.ones(3))])
+    with pytest.raises(ValueError, match="shape"):
+        asyncio.run(actor.sync_weights(bad, 1))
+    assert actor.engine.weight_version == 0 and actor.engine._paused  # as the four separate calls left it
+    assert all(torch.equal(before[k], v) for k, v in actor.engine.model.state_dict().items())
