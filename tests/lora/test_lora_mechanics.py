@@ -176,6 +176,21 @@ def test_routes_and_options_are_checked():
     assert cfg.lora.enabled and cfg.lora.names == ["a", "b"]
 
 
+def test_arith_tools_family_ids_route_each_family_to_its_adapter():
+    from miles_agent.build import build_env
+
+    cfg = load_config("tiny-cpu", {"env.options": {"family_ids": True, "num_tasks": 64}, "lora.rank": 4,
+                                   "lora.adapters": ["plus", "times"],
+                                   "lora.routes": {"plus-": "plus", "times-": "times"}})
+    tasks = build_env(cfg).tasks()
+    routed = {t.id: cfg.lora.route(t.id) for t in tasks}
+    assert all((routed[t.id] == "times") == ("*" in t.info["expr"]) for t in tasks)
+    assert 10 < sum(r == "times" for r in routed.values()) < 54  # both families are well represented
+    plain = load_config("tiny-cpu", {"env.options": {"num_tasks": 64}})
+    assert [t.id for t in build_env(plain).tasks()][:2] == ["train-0", "train-1"]  # off by default
+    assert [t.info for t in build_env(plain).tasks()] == [t.info for t in tasks]  # the same tasks
+
+
 def test_megatron_refuses_lora_in_one_line():
     pytest.importorskip("megatron.core")
     from miles_agent.trainers.megatron.trainer import MegatronTrainer
