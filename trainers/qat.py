@@ -7,8 +7,10 @@ weight (STE). So the policy the trainer scores is the policy the int4 engine sam
 rollout/train logprob mismatch of int4 rollouts falls to float rounding (``bench/int4_qat.py``).
 The weights stay full precision (AdamW steps them); the engine quantizes them again at each sync.
 
-Why not torchao's QAT: its int4 fake quantization is built to pair with its own int4 kernels (asymmetric,
-zero points); here the trainer must round exactly like the engine's packed weights.
+Why not torchao's QAT: its symmetric int4 fake quantizer (``IntxFakeQuantizeConfig(torch.int4,
+group_size=32, is_symmetric=True)``, torchao 0.18) puts a group's amax at 7.5 steps (scale amax / 7.5,
+codes -8..7, measured), the engine's packed format at 7 steps (scale amax / 7); the trainer must round
+exactly like the weights the engine samples with.
 """
 
 from __future__ import annotations

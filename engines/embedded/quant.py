@@ -58,7 +58,10 @@ def _mx() -> Any:
     try:
         from torchao.prototype.mx_formats import mx_tensor
     except ImportError:
-        raise ValueError("rollout.weight_format=mxfp8 needs torchao: pip install torchao") from None
+        from miles_agent.errors import UserError
+
+        raise UserError("rollout.weight_format=mxfp8 needs torchao: pip install 'miles-agent[lora]' "
+                        "(or pip install torchao), or pick rollout.weight_format=fp8") from None
     return mx_tensor
 
 
@@ -175,6 +178,8 @@ def install(model: nn.Module, fmt: str) -> int:
         model.to(torch.bfloat16)
     if fmt in ("auto", "bf16"):
         return 0
+    if fmt == "mxfp8":
+        _mx()  # a missing torchao is refused when the engine is built, not at its first forward
     layers = model.get_submodule("model.layers")
     found = [(n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in found:

@@ -16,6 +16,7 @@ uses the no-argument call and ANS; the explicit forms stay available to larger m
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from typing import Any
@@ -73,9 +74,12 @@ class ArithToolsEnv(Environment):
     name = "arith-tools"
     description = "Built-in: multi-turn arithmetic with a calculator tool (learns on CPU in minutes)."
 
-    def __init__(self, num_tasks: int = 4096, seed: int = 1234) -> None:
+    def __init__(self, num_tasks: int = 4096, seed: int = 1234, family_ids: bool = False) -> None:
         self.num_tasks = num_tasks
         self.seed = seed
+        # env.options.family_ids=true: ids say the task family, plus-train-3 (+ and -) or times-train-3 (*),
+        # so lora.routes can give each family its own adapter (docs/lora.md)
+        self.family_ids = family_ids
 
     def tasks(self, split: str = "train") -> list[Task]:
         # "sft" holds the warm start's demonstrations, apart from the RL tasks.
@@ -84,7 +88,10 @@ class ArithToolsEnv(Environment):
             raise ValueError(f"unknown split {split!r}; use train, eval, test or sft")
         rng = random.Random(self.seed * 10 + offset)
         n = self.num_tasks if split in ("train", "sft") else max(64, self.num_tasks // 16)
-        return [make_task(rng, i, split) for i in range(n)]
+        tasks = [make_task(rng, i, split) for i in range(n)]
+        if self.family_ids:
+            tasks = [dataclasses.replace(t, id=f"{'times' if '*' in t.info['expr'] else 'plus'}-{t.id}") for t in tasks]
+        return tasks
 
     async def open(self, task: Task, sandbox: Sandbox | None = None) -> EnvSession:
         return ArithToolsSession(task)

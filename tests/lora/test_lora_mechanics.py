@@ -176,6 +176,21 @@ def test_routes_and_options_are_checked():
     assert cfg.lora.enabled and cfg.lora.names == ["a", "b"]
 
 
+def test_arith_tools_family_ids_route_each_family_to_its_adapter():
+    from miles_agent.build import build_env
+
+    cfg = load_config("tiny-cpu", {"env.options": {"family_ids": True, "num_tasks": 64}, "lora.rank": 4,
+                                   "lora.adapters": ["plus", "times"],
+                                   "lora.routes": {"plus-": "plus", "times-": "times"}})
+    tasks = build_env(cfg).tasks()
+    routed = {t.id: cfg.lora.route(t.id) for t in tasks}
+    assert all((routed[t.id] == "times") == ("*" in t.info["expr"]) for t in tasks)
+    assert 10 < sum(r == "times" for r in routed.values()) < 54  # both families are well represented
+    plain = load_config("tiny-cpu", {"env.options": {"num_tasks": 64}})
+    assert [t.id for t in build_env(plain).tasks()][:2] == ["train-0", "train-1"]  # off by default
+    assert [t.info for t in build_env(plain).tasks()] == [t.info for t in tasks]  # the same tasks
+
+
 def test_megatron_refuses_lora_in_one_line():
     pytest.importorskip("megatron.core")
     from miles_agent.trainers.megatron.trainer import MegatronTrainer
@@ -203,3 +218,30 @@ def test_checkpoint_resumes_every_adapter_and_exports_each_in_peft_format(tmp_pa
     again = step(resumed, trajectories(["add-1", "add-1", "mul-2", "mul-2"], seed=1))  # same optimizer state
     assert again["lora/add/grad_norm"] == pytest.approx(after_save["lora/add/grad_norm"], rel=1e-5)
     resumed.close()
+
+
+def test_each_exported_adapter_loads_in_plain_peft_and_scores_like_its_trainer_adapter(tmp_path):
+    lora = LoraSection(rank=4, alpha=8.0, adapters=["add", "mul"], routes={"add-": "add", "mul-": "mul"})
+    trainer = lora_trainer(lora, lr=5e-2)
+    trajs = trajectories(["add-1", "add-1", "mul-2", "mul-2"])
+    step(trainer, trajs)
+    step(trainer, trajs)
+    want = trainer.compute_logprobs(trajs)  # each row through its own task's adapter
+    trainer.save_hf(tmp_path / "final")
+    trainer.close()
+    base, _ = build_tiny("tiny-qwen3", seed=0)
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "final" / "add"), adapter_name="add")
+    loaded.load_adapter(str(tmp_path / "final" / "mul"), adapter_name="mul")
+    loaded.eval()
+
+    def score(adapter: str, t: Trajectory) -> list[float]:
+        loaded.set_adapter(adapter)
+        ids = torch.tensor([t.tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(loaded(input_ids=ids).logits[0, :-1].float(), -1)
+        return logp.gather(-1, ids[0, 1:, None]).squeeze(-1)[-t.response_length:].tolist()
+
+    for t, row in zip(trajs, want):
+        own, other = lora.route(t.task_id), {"add": "mul", "mul": "add"}[lora.route(t.task_id)]
+        assert score(own, t) == pytest.approx(row, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(score(other, t), row)) > 1e-3  # the two adapters differ

@@ -4,6 +4,7 @@ the engine's QuantLinear (requantized at each sync), and INT4 QAT's straight-thr
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import torch
@@ -91,7 +92,11 @@ def test_engine_layers_requantize_at_each_sync(fmt):
     del ref
 
 
-def test_bad_formats_are_refused():
+def test_bad_formats_are_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.prototype.mx_formats", None)  # as if torchao were missing
+    with pytest.raises(UserError, match=r"mxfp8 needs torchao: pip install 'miles-agent\[lora\]'"):
+        build_engines(load_config("tiny-cpu", {"rollout.weight_format": "mxfp8"}), *build_tiny("tiny-qwen3"))
+    monkeypatch.undo()
     with pytest.raises(UserError, match="weight_format"):
         build_engines(load_config("tiny-cpu", {"rollout.weight_format": "fp4"}), *build_tiny("tiny-qwen3"))
     with pytest.raises(UserError, match="train.qat"):
