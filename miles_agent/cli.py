@@ -98,11 +98,15 @@ def _config(args: argparse.Namespace) -> Any:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from miles_agent.build import check_choices
-    from miles_agent.run_state import Interrupted, check_run_dir
+    from miles_agent.run_state import Interrupted, check_resume, check_run_dir
 
     cfg = _config(args)
     check_choices(cfg)  # bad input fails before --overwrite removes anything
     args.resume = check_run_dir(Path(cfg.run.run_dir), args.resume, args.overwrite)
+    if args.resume and (done := check_resume(Path(cfg.run.run_dir), cfg)) >= cfg.run.steps:
+        print(f"miles-agent: {cfg.run.run_dir} already ran {done} steps (run.steps={cfg.run.steps}): nothing to do; "
+              "raise run.steps (or --steps) to train it further")
+        return 0
     try:
         return _train(args, cfg)
     except Interrupted as e:
@@ -350,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         print("miles-agent: interrupted", file=sys.stderr)
         return 130
     except OSError as e:
+        if e.filename and e.errno in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS):
+            print(f"miles-agent: error: {e.strerror}: {e.filename}; a folder on that path is a file, or it is not "
+                  "writable: pick another path (--run-dir, --job-dir, --out)", file=sys.stderr)
+            return 2
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(f"miles-agent: error: no space left on the device writing {e.filename or 'the run directory'}; free "
