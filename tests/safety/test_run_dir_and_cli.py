@@ -90,9 +90,15 @@ def test_resume_command_is_the_same_line_with_resume(tmp_path):
     assert cli.resume_command(args) == "miles-agent train --resume --env e run.steps=3"
 
 
-def test_a_full_disk_says_space_and_where(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_full_disk_says_space_and_where(monkeypatch, capsys, tmp_path, wrapped):
     def full(args, cfg):
-        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "r" / "metrics.jsonl"))
+        e = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "r" / "metrics.jsonl"))
+        if wrapped:  # the trainer's checkpoint save: torch DCP wraps each rank's error (a BaseException)
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            raise CheckpointException("save failed", {0: (e, None)})
+        raise e
 
     monkeypatch.setattr(cli, "_train", full)
     code = cli.main(["train", "--env", "arith-tools", "--run-dir", str(tmp_path / "r"), "run.steps=1"])
