@@ -145,3 +145,17 @@ def test_report_works_on_what_a_crash_leaves(tmp_path):
     (tmp_path / "samples.jsonl").write_text('{"step": 0, "prompt_')
     page = build_report(tmp_path)
     assert "steps recorded</th><td>3" in page.read_text()
+
+
+def test_report_of_a_run_with_no_step_yet_says_so_and_a_torn_config_is_left_out(tmp_path, caplog):
+    pytest.importorskip("matplotlib")
+    from miles_agent.report import build_report
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "rew')  # killed mid-way through its first line
+    with pytest.raises(UserError, match="holds no finished step yet"):  # was an empty page, said nothing
+        build_report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.5}) + "\n")
+    (tmp_path / "config.json").write_text('{"env": {"na')  # was a JSONDecodeError traceback
+    with caplog.at_level(logging.WARNING):
+        assert "steps recorded</th><td>1" in build_report(tmp_path).read_text()
+    assert "config.json is not JSON" in caplog.text
