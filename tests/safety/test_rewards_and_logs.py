@@ -159,3 +159,28 @@ def test_report_of_a_run_with_no_step_yet_says_so_and_a_torn_config_is_left_out(
     with caplog.at_level(logging.WARNING):
         assert "steps recorded</th><td>1" in build_report(tmp_path).read_text()
     assert "config.json is not JSON" in caplog.text
+
+
+def test_sft_data_whose_every_episode_is_refused_says_why(tokenizer):
+    """An env whose rewards all fall outside its range: the warm start's SFT used to end with 'SFT has no
+    trajectory to train on', naming neither the env nor the refusal."""
+    from miles_agent import registry
+    from miles_agent.envs.arith_tools.env import ArithToolsEnv, ArithToolsSession
+    from miles_agent.sft import demonstrations
+
+    class Five(ArithToolsSession):
+        async def score(self, messages):
+            return Reward(5.0)
+
+    class FiveEnv(ArithToolsEnv):
+        name = "five"
+
+        async def open(self, task, sandbox=None):
+            return Five(task)
+
+    from miles_agent.engine import SamplingParams
+    from miles_agent.environment import HarnessLimits
+
+    harness = registry.load("harnesses", "chat-tools")(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
+    with pytest.raises(UserError, match=r"'five': none of its demonstrator's 3 episodes .*reward_range \[0, 1\]"):
+        demonstrations(FiveEnv(num_tasks=3), harness, tokenizer, limit=3)
