@@ -32,7 +32,7 @@ from miles_agent.build import build_env, build_harness, check_choices, env_sandb
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
 from miles_agent.environment import split_tasks
-from miles_agent.errors import UserError
+from miles_agent.errors import RunAborted, UserError
 from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner
@@ -143,8 +143,8 @@ class Run:
                     trainable = plugins.load("rollout.buffer_filter", cfg.rollout.buffer_filter)(trainable)
                     record["buffer_filter/kept"] = float(len(trainable))
                 if not trainable:
-                    raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
-                                       "nothing to train on")
+                    raise RunAborted(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
+                                     "nothing to train on")
                 record.update(rollout_metrics(trajs))
                 record.update(plugins.env_metrics(self.env, trajs))  # env.mix: per-env reward, pass rate
                 record.update(sched_metrics)

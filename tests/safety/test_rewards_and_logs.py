@@ -184,3 +184,24 @@ def test_sft_data_whose_every_episode_is_refused_says_why(tokenizer):
     harness = registry.load("harnesses", "chat-tools")(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
     with pytest.raises(UserError, match=r"'five': none of its demonstrator's 3 episodes .*reward_range \[0, 1\]"):
         demonstrations(FiveEnv(num_tasks=3), harness, tokenizer, limit=3)
+
+
+@pytest.mark.slow
+def test_a_step_whose_every_reward_is_refused_stops_the_run_naming_why(tmp_path):
+    """Every reward out of range: was a RuntimeError traceback; now the run stops in one line (exit 3)."""
+    import subprocess
+    import sys
+
+    mod = tmp_path / "five_env.py"
+    mod.write_text("from miles_agent.envs.arith_tools.env import ArithToolsEnv, ArithToolsSession\n"
+                   "from miles_agent.environment import Reward\n"
+                   "class S(ArithToolsSession):\n    async def score(self, m):\n        return Reward(5.0)\n"
+                   "class FiveEnv(ArithToolsEnv):\n    name = 'five'\n"
+                   "    async def open(self, task, sandbox=None):\n        return S(task)\n")
+    out = subprocess.run([sys.executable, "-m", "miles_agent.cli", "train", "--env", "five_env:FiveEnv", "--run-dir",
+                          str(tmp_path / "r"), "--no-progress", "model.warm_start=null", "run.steps=1",
+                          "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "every episode failed" in out.stderr and "outside the environment's reward_range [0, 1]" in out.stderr
