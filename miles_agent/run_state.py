@@ -162,9 +162,14 @@ def check_resume(run_dir: Path, cfg: Any) -> int:
             flag = f"--env {was}" if key == "env.name" else f"{key}={was}"
             raise UserError(f"--resume: {run_dir} is a run of {key}={was!r}, not {now!r}; resume it with {flag}, or "
                             "start a new run (another --run-dir, or --overwrite to replace this one)")
-    latest = run_dir / "checkpoints" / "latest"
-    m = re.fullmatch(r"step_(\d+)", latest.read_text(errors="replace").strip() if latest.is_file() else "")
-    return int(m.group(1)) if m else 0
+    level = log.level
+    log.setLevel(logging.ERROR)  # the resume itself says which checkpoint it passes over, once
+    try:
+        return int(latest_checkpoint(run_dir / "checkpoints")[1].get("step", 0))
+    except UserError:  # no intact one: the resume says so
+        return 0
+    finally:
+        log.setLevel(level)
 
 
 class Interrupted(Exception):

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from miles_agent import cli
+from miles_agent.config import load_config
 from miles_agent.errors import UserError
-from miles_agent.run_state import check_run_dir
+from miles_agent.run_state import check_resume, check_run_dir
 
 
 def _old_run(tmp_path):
@@ -110,6 +111,9 @@ def test_a_full_disk_says_space_and_where(monkeypatch, capsys, tmp_path, wrapped
 def test_resume_continues_the_same_run_or_says_there_is_nothing_to_do(tmp_path, capsys):
     run = _old_run(tmp_path)
     (run / "config.json").write_text(json.dumps({"env": {"name": "arith-tools"}, "model": {"arch": "tiny-qwen3"}}))
+    (run / "checkpoints" / "step_2" / "loop_state.json").write_text(json.dumps({"step": 2}))
+    (run / "checkpoints" / "latest").write_text("step_7")  # gone: the step that counts is the intact one
+    assert check_resume(run, load_config(None, ["run.steps=3"])) == 2
     # another environment used to train on into the old run, replacing its final model
     code = cli.main(["train", "--env", "terminal-bench", "--run-dir", str(run), "--resume", "run.steps=3"])
     err = capsys.readouterr().err
