@@ -189,6 +189,7 @@ def test_sft_data_whose_every_episode_is_refused_says_why(tokenizer):
 @pytest.mark.slow
 def test_a_step_whose_every_reward_is_refused_stops_the_run_naming_why(tmp_path):
     """Every reward out of range: was a RuntimeError traceback; now the run stops in one line (exit 3)."""
+    import os
     import subprocess
     import sys
 
@@ -202,6 +203,6 @@ def test_a_step_whose_every_reward_is_refused_stops_the_run_naming_why(tmp_path)
                           str(tmp_path / "r"), "--no-progress", "model.warm_start=null", "run.steps=1",
                           "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "every episode failed" in out.stderr and "outside the environment's reward_range [0, 1]" in out.stderr
