@@ -98,11 +98,15 @@ def _config(args: argparse.Namespace) -> Any:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from miles_agent.build import check_choices
-    from miles_agent.run_state import Interrupted, check_run_dir
+    from miles_agent.run_state import Interrupted, check_resume, check_run_dir
 
     cfg = _config(args)
     check_choices(cfg)  # bad input fails before --overwrite removes anything
     args.resume = check_run_dir(Path(cfg.run.run_dir), args.resume, args.overwrite)
+    if args.resume and (done := check_resume(Path(cfg.run.run_dir), cfg)) >= cfg.run.steps:
+        print(f"miles-agent: {cfg.run.run_dir} already ran {done} steps (run.steps={cfg.run.steps}): nothing to do; "
+              "raise run.steps (or --steps) to train it further")
+        return 0
     try:
         return _train(args, cfg)
     except Interrupted as e:
@@ -311,6 +315,21 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return parser.parse_args(argv) if extra else args
 
 
+def _os_error(e: BaseException | None, errnos: tuple[int, ...]) -> OSError | None:
+    """The OSError with one of ``errnos`` behind ``e``: itself, its causes, or a rank's failure it carries."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        if (x := todo.pop()) is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in errnos:
+            return x
+        todo += [x.__cause__, x.__context__, *(f[0] if isinstance(f, tuple) else f
+                                               for f in dict(getattr(x, "failures", None) or {}).values())]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -349,8 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("miles-agent: interrupted", file=sys.stderr)
         return 130
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except BaseException as top:  # an OSError, or one wrapped (torch's CheckpointException is a BaseException)
+        if (e := _os_error(top, (errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS))) \
+                and e.filename:
+            print(f"miles-agent: error: {e.strerror}: {e.filename}; a folder on that path is a file, or it is not "
+                  "writable: pick another path (--run-dir, --job-dir, --out)", file=sys.stderr)
+            return 2
+        if (e := _os_error(top, (errno.ENOSPC, errno.EDQUOT))) is None:
             raise
         print(f"miles-agent: error: no space left on the device writing {e.filename or 'the run directory'}; free "
               "space there (or pick another --run-dir) and rerun, with --resume to continue from the last "

@@ -102,3 +102,17 @@ class Harness(ABC):
 
     @abstractmethod
     async def run(self, task: Task, session: EnvSession, policy: Policy) -> list[Trajectory]: ...
+
+
+def split_tasks(env: Environment, split: str, key: str | None = "--split") -> list[Task]:
+    """``env.tasks(split)``, or a UserError naming the split: one the env does not have, or one with no tasks."""
+    from miles_agent.errors import UserError
+
+    try:
+        tasks = list(env.tasks(split))
+    except (ValueError, KeyError) as e:
+        raise UserError(f"{key or 'split'}={split!r}: environment {env.name!r} has no such split ({e})") from None
+    if not tasks and not getattr(env, "excluded", None):  # (all refused: eval reports each one's reason)
+        raise UserError(f"environment {env.name!r} has no tasks in its {split!r} split; check where it reads them "
+                        f"(--tasks, env.options){f' or set {key} to a split that has some' if key else ''}")
+    return tasks

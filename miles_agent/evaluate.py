@@ -19,6 +19,7 @@ from typing import Any
 from miles_agent import registry
 from miles_agent.build import EMBEDDED_ENGINE, build_env, build_harness, check_device, env_sandboxes
 from miles_agent.config import Config
+from miles_agent.environment import split_tasks
 from miles_agent.errors import UserError
 from miles_agent.metrics import rollout_metrics
 from miles_agent.rollout.episodes import EpisodeRunner, collect
@@ -46,7 +47,9 @@ async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limi
     if policy == "oracle" and getattr(env, "oracle_source", None) == "":  # declared: nothing to play
         raise UserError(f"--policy oracle on {env.name}: the ecosystem publishes no reference solution to play; "
                         "use --policy model")
-    tasks = env.tasks(split)[:limit] if limit else env.tasks(split)
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit {limit}: evaluate at least 1 task (or leave --limit out for all)")
+    tasks = split_tasks(env, split)[:limit]
     engine: Any = None
     make_sandbox = env_sandboxes(cfg, env)
     job = Path(job_dir) if job_dir else Path(cfg.run.run_dir) / "eval" / datetime.now().strftime("%Y%m%d-%H%M%S")

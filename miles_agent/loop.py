@@ -31,7 +31,8 @@ from miles_agent import plugins, run_state
 from miles_agent.build import build_env, build_harness, check_choices, env_sandboxes
 from miles_agent.config import Config
 from miles_agent.dumps import RolloutRecorder
-from miles_agent.errors import UserError
+from miles_agent.environment import split_tasks
+from miles_agent.errors import RunAborted, UserError
 from miles_agent.metrics import rollout_metrics, summary_line
 from miles_agent.observe import StepObserver
 from miles_agent.rollout.episodes import EpisodeRunner
@@ -76,7 +77,7 @@ class Run:
         self.runner = EpisodeRunner(plugins.with_reward(self.env, cfg.env.reward),  # env.reward: user code
                                     build_harness(cfg, self.env, self.tokenizer), make_sandbox=make_sandbox,
                                     reward_out_of_range=cfg.env.reward_out_of_range)
-        self.sampler = TaskSampler(self.env.tasks("train"), cfg.run.seed)
+        self.sampler = TaskSampler(split_tasks(self.env, "train", None), cfg.run.seed)
         self.tasks_by_id = {t.id: t for t in self.sampler.tasks}
         # R3: each episode calls the engine through a recorder of routed experts, attached to it as it ends
         self.routing = RoutingCapture(self.engine) if cfg.algo.routing_replay else None
@@ -142,8 +143,8 @@ class Run:
                     trainable = plugins.load("rollout.buffer_filter", cfg.rollout.buffer_filter)(trainable)
                     record["buffer_filter/kept"] = float(len(trainable))
                 if not trainable:
-                    raise RuntimeError(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
-                                       "nothing to train on")
+                    raise RunAborted(f"step {self.step}: every episode failed ({self.runner.stats.errors[-3:]}); "
+                                     "nothing to train on")
                 record.update(rollout_metrics(trajs))
                 record.update(plugins.env_metrics(self.env, trajs))  # env.mix: per-env reward, pass rate
                 record.update(sched_metrics)

@@ -115,10 +115,11 @@ def latest_checkpoint(ckpt_root: Path) -> tuple[Path, dict[str, Any]]:
     steps = sorted((int(m.group(1)), p) for p in ckpt_root.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name)))
     if not latest.is_file() and not steps:
         raise UserError(f"--resume: no checkpoint in {ckpt_root}; run without --resume to start fresh")
-    m = re.fullmatch(r"step_(\d+)", latest.read_text().strip() if latest.is_file() else "")
+    named = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+    m = re.fullmatch(r"step_(\d+)", named)
     candidates = [ckpt_root / m.group(0)] if m else []  # then the steps before it, newest first
     candidates += [p for n, p in reversed(steps) if not m or n < int(m.group(1))]
-    problems = []
+    problems = [] if m else [f"{latest} {'names no step (' + repr(named[:40]) + ')' if latest.is_file() else 'is missing'}"]
     for path in candidates:
         if (why := check_checkpoint(path)) is None:
             if problems:
@@ -130,6 +131,9 @@ def latest_checkpoint(ckpt_root: Path) -> tuple[Path, dict[str, Any]]:
 
 def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> bool:
     """Whether to resume; an old run is never replaced unless asked, one stopped before its first checkpoint restarts."""
+    if file := next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None):
+        raise UserError(f"--run-dir {run_dir}: {file} is a file, not a folder; pass a folder (or a path that does not "
+                        "exist yet)")
     held = [name for name in ("metrics.jsonl", "checkpoints", "final") if (run_dir / name).exists()]
     if resume and (run_dir / "config.json").is_file() and not list(run_dir.glob("checkpoints/step_*[0-9]")):
         log.warning("--resume: %s has no checkpoint yet; starting the run from step 0", run_dir)
@@ -142,6 +146,30 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> bool:
     for name in ("checkpoints", "final"):  # a later --resume must not pick up the old run's checkpoint
         shutil.rmtree(run_dir / name, ignore_errors=True)
     return False
+
+
+def check_resume(run_dir: Path, cfg: Any) -> int:
+    """A resume continues the same run (its environment and model), refused otherwise; the steps its latest
+    checkpoint holds (0 if none)."""
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    for key in ("env.name", "model.arch", "model.hf_checkpoint"):
+        section, name = key.split(".")
+        was, now = saved.get(section, {}).get(name, getattr(getattr(cfg, section), name)), getattr(getattr(cfg, section), name)
+        if was != now:
+            flag = f"--env {was}" if key == "env.name" else f"{key}={was}"
+            raise UserError(f"--resume: {run_dir} is a run of {key}={was!r}, not {now!r}; resume it with {flag}, or "
+                            "start a new run (another --run-dir, or --overwrite to replace this one)")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the resume itself says which checkpoint it passes over, once
+    try:
+        return int(latest_checkpoint(run_dir / "checkpoints")[1].get("step", 0))
+    except UserError:  # no intact one: the resume says so
+        return 0
+    finally:
+        log.setLevel(level)
 
 
 class Interrupted(Exception):

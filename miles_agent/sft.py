@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from miles_agent.environment import Environment, Harness
+from miles_agent.environment import Environment, Harness, split_tasks
 from miles_agent.errors import UserError
 from miles_agent.types import Status, Trajectory, TrajectoryError
 
@@ -45,13 +45,14 @@ def demonstrations(env: Environment, harness: Harness, tokenizer: Any, *, split:
     if not hasattr(env, "demonstrator"):
         raise UserError(f"environment {env.name!r} has no demonstrator to make SFT data; set sft.data to a "
                         "JSONL file of trajectories (one Trajectory.to_dict() per line)")
-    try:
-        tasks = env.tasks(split)[:limit or None]
-    except ValueError as e:
-        raise UserError(f"sft.split={split!r}: {e}") from None
+    tasks = split_tasks(env, split, "sft.split")[:limit or None]
     policy = env.demonstrator(tokenizer, tool_rate=tool_rate, seed=seed)
     trajs = asyncio.run(collect(EpisodeRunner(env, harness), tasks, 1, policy, concurrency=concurrency))
-    return [t for t in trajs if t.status in TRAINABLE and any(t.loss_mask)]
+    if trajs and not (kept := [t for t in trajs if t.status in TRAINABLE and any(t.loss_mask)]):
+        why = sorted({str(t.metadata.get("error") or t.status) for t in trajs})
+        raise UserError(f"environment {env.name!r}: none of its demonstrator's {len(trajs)} episodes can be trained on "
+                        f"({'; '.join(why[:2])}); fix the environment, or set sft.data to a file of trajectories")
+    return kept if trajs else []
 
 
 def write_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> Path:

@@ -19,6 +19,7 @@ class Range:
     low_open: bool = False  # low itself excluded (lr > 0)
     high_open: bool = False
     what: str = ""  # what a special value means, for the message
+    finite: bool = True  # inf refused (unless the key's default is inf itself)
 
     def holds(self, v: float) -> bool:  # NaN holds nowhere
         return (v > self.low if self.low_open else v >= self.low) and (v < self.high if self.high_open else v <= self.high)
@@ -37,21 +38,21 @@ RANGES: dict[str, Range] = {
     "rollout.max_recycles": NONNEG, "train.lr": POS, "train.lr_warmup_steps": NONNEG,
     "train.lr_decay_steps": NONNEG, "train.min_lr_ratio": UNIT, "train.weight_decay": NONNEG,
     "train.betas": Range(0, 1, high_open=True), "train.adam_eps": POS,
-    "train.grad_clip": Range(what="<= 0 = no clipping"), "train.micro_batch_tokens": ONE_UP,
+    "train.grad_clip": Range(what="<= 0 = no clipping", finite=False), "train.micro_batch_tokens": ONE_UP,
     "train.mini_batches": ONE_UP, "train.ppo_epochs": ONE_UP, "train.world_size": ONE_UP,
     "train.logits_chunk_tokens": Range(0, what="0 = unchunked"), "algo.gamma": UNIT, "algo.turn_discount": UNIT, "algo.overlong_weight": UNIT, "algo.gae_lambda": UNIT,
     "algo.clip_eps": POS, "algo.clip_eps_high": POS, "algo.dual_clip_c": Range(1, low_open=True),
     "algo.kl_coef": NONNEG, "algo.kl_reward_coef": NONNEG, "algo.entropy_coef": ANY, "algo.critic_lr": POS,
-    "algo.value_clip": Range(what="<= 0 = unclipped"), "algo.mismatch_low": NONNEG, "algo.mismatch_high": POS,
+    "algo.value_clip": Range(what="<= 0 = unclipped", finite=False), "algo.mismatch_low": NONNEG, "algo.mismatch_high": POS,
     "algo.mismatch_veto": NONNEG, "algo.dynamic_sampling_max_rounds": ONE_UP, "algo.distill_coef": NONNEG,
     "algo.distill_task_coef": NONNEG, "sft.tool_rate": UNIT, "sft.batch_size": ONE_UP,
     "sft.max_examples": Range(0, what="0 = all"), "env.max_turns": ONE_UP, "env.max_total_tokens": ONE_UP,
-    "env.max_new_tokens_per_turn": ONE_UP, "env.max_observation_tokens": ONE_UP, "env.agent_timeout_s": POS,
+    "env.max_new_tokens_per_turn": ONE_UP, "env.max_observation_tokens": ONE_UP, "env.agent_timeout_s": Range(0, low_open=True, finite=False),
     "run.steps": ONE_UP, "run.seed": ANY, "run.checkpoint_every": Range(0, what="0 = only at the end"),
     "run.eval_every": Range(0, what="0 = never"), "run.dump_rollouts": Range(0, what="0 = never"),
     "run.log_samples": NONNEG, "cluster.num_engines": ONE_UP, "cluster.gpus_per_engine": NONNEG,
     "cluster.trainer_gpus": NONNEG, "cluster.cpus_per_actor": NONNEG, "cluster.health_check_interval_s": Range(0, what="0 = no health checks"),
-    "cluster.health_check_timeout_s": POS, "cluster.max_engine_restarts": NONNEG, "cluster.nodes": ONE_UP,
+    "cluster.health_check_timeout_s": Range(0, low_open=True, finite=False), "cluster.max_engine_restarts": NONNEG, "cluster.nodes": ONE_UP,
     "cluster.gpus_per_node": ONE_UP, "cluster.gpu_memory_gib": POS, "sync.bucket_mb": ONE_UP,
     "sync.master_port": Range(0, 65535, what="0 = a free port"), "sync.disk_keep": ONE_UP,
 }
@@ -69,8 +70,11 @@ def check_values(cfg: Any) -> None:
         for f in dataclasses.fields(section):
             key = f"{name}.{f.name}"
             rng = getattr(section, "ranges", {}).get(f.name) or RANGES.get(key, ANY)
-            if not all(rng.holds(v) for v in numbers(getattr(section, f.name))):
+            values = numbers(getattr(section, f.name))
+            if not all(rng.holds(v) for v in values):
                 raise UserError(_message(key, getattr(section, f.name), rng, f.default))
+            if any(map(math.isinf, values)) and not any(map(math.isinf, numbers(f.default))) and rng.finite:
+                raise UserError(f"{key}={values[0]:g} is not a finite number; {_message(key, 0, rng, f.default).split('; ')[-1]}")
     _check_pairs(cfg)
 
 

@@ -143,11 +143,18 @@ class SandboxStorage:
         await asyncio.to_thread(self.stop)
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """poll, not select: select refuses fds >= 1024 (FD_SETSIZE), which a few hundred sandboxes at once reach."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
 def _read_line(fd: int, timeout_s: float) -> bytes:
     deadline, data = time.monotonic() + timeout_s, b""
     while b"\n" not in data:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not _readable(fd, left):
             break
         chunk = os.read(fd, 256)
         if not chunk:
@@ -158,7 +165,7 @@ def _read_line(fd: int, timeout_s: float) -> bytes:
 
 def _read_available(fd: int) -> bytes:
     data = b""
-    while select.select([fd], [], [], 0.2)[0]:
+    while _readable(fd, 0.2):
         chunk = os.read(fd, 65536)
         if not chunk:
             break

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 from miles_agent.errors import UserError, require
 from miles_agent.evaluate import FAILURE_PARTS
 from miles_agent.metrics import read_jsonl
+
+log = logging.getLogger(__name__)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 1400px; color: #222; }
@@ -48,13 +51,19 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; point `miles-agent report` at a run directory "
                         "(the train command's --run-dir)")
-    return read_jsonl(path)  # a torn last line (a crash mid-write) is dropped, with a warning
+    if not (records := read_jsonl(path)):  # a torn last line (a crash mid-write) is dropped, with a warning
+        raise UserError(f"{path} holds no finished step yet (a run logs one line per step); report again after "
+                        "the run's first step")
+    return records
 
 
 def _summary(run_dir: Path, records: list[dict[str, Any]]) -> str:
     cfg = {}
     if (run_dir / "config.json").is_file():
-        cfg = json.loads((run_dir / "config.json").read_text())
+        try:
+            cfg = json.loads((run_dir / "config.json").read_text(errors="replace"))
+        except ValueError:  # torn by a crash: the summary goes without it
+            log.warning("%s is not JSON; the summary leaves out the run's settings", run_dir / "config.json")
     rows = [("run directory", str(run_dir)), ("steps recorded", str(len(records)))]
     if cfg:
         rows += [("environment", cfg["env"]["name"]), ("model", cfg["model"].get("hf_checkpoint") or cfg["model"]["arch"]),

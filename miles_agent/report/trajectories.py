@@ -23,7 +23,10 @@ def find_tokenizer(run_dir: Path) -> tuple[Decode, str]:
     run_dir = Path(run_dir)
     cfg: dict[str, Any] = {}
     if (run_dir / "config.json").is_file():
-        cfg = json.loads((run_dir / "config.json").read_text()).get("model", {})
+        try:
+            cfg = json.loads((run_dir / "config.json").read_text(errors="replace")).get("model", {})
+        except ValueError:  # torn by a crash (the summary says so): the run's final/ tokenizer, else raw ids
+            pass
     for folder in (run_dir / "final", cfg.get("hf_checkpoint"), cfg.get("warm_start")):
         if folder and (Path(folder) / "tokenizer.json").is_file():
             from tokenizers import Tokenizer

@@ -53,6 +53,18 @@ def test_a_damaged_latest_falls_back_to_the_previous_intact_step(root, damage, w
     assert why in caplog.text and "resuming from" in caplog.text and "step_2" in caplog.text
 
 
+@pytest.mark.parametrize("latest", [b"\xff\xfe\x00", b"", None])
+def test_an_unreadable_or_missing_latest_takes_the_newest_whole_step_and_says_so(root, caplog, latest):
+    # bytes that are not UTF-8 used to end the resume with a UnicodeDecodeError traceback
+    (root / "latest").unlink()
+    if latest is not None:
+        (root / "latest").write_bytes(latest)
+    with caplog.at_level(logging.WARNING):
+        path, _ = latest_checkpoint(root)
+    assert path.name == "step_3" and "resuming from" in caplog.text
+    assert ("names no step" if latest is not None else "latest is missing") in caplog.text
+
+
 def test_latest_naming_a_missing_step_falls_back_instead_of_blaming_the_version(root, caplog):
     (root / "latest").write_text("step_7")
     with caplog.at_level(logging.WARNING):

@@ -145,3 +145,64 @@ def test_report_works_on_what_a_crash_leaves(tmp_path):
     (tmp_path / "samples.jsonl").write_text('{"step": 0, "prompt_')
     page = build_report(tmp_path)
     assert "steps recorded</th><td>3" in page.read_text()
+
+
+def test_report_of_a_run_with_no_step_yet_says_so_and_a_torn_config_is_left_out(tmp_path, caplog):
+    pytest.importorskip("matplotlib")
+    from miles_agent.report import build_report
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "rew')  # killed mid-way through its first line
+    with pytest.raises(UserError, match="holds no finished step yet"):  # was an empty page, said nothing
+        build_report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.5}) + "\n")
+    (tmp_path / "config.json").write_text('{"env": {"na')  # was a JSONDecodeError traceback
+    with caplog.at_level(logging.WARNING):
+        assert "steps recorded</th><td>1" in build_report(tmp_path).read_text()
+    assert "config.json is not JSON" in caplog.text
+
+
+def test_sft_data_whose_every_episode_is_refused_says_why(tokenizer):
+    """An env whose rewards all fall outside its range: the warm start's SFT used to end with 'SFT has no
+    trajectory to train on', naming neither the env nor the refusal."""
+    from miles_agent import registry
+    from miles_agent.envs.arith_tools.env import ArithToolsEnv, ArithToolsSession
+    from miles_agent.sft import demonstrations
+
+    class Five(ArithToolsSession):
+        async def score(self, messages):
+            return Reward(5.0)
+
+    class FiveEnv(ArithToolsEnv):
+        name = "five"
+
+        async def open(self, task, sandbox=None):
+            return Five(task)
+
+    from miles_agent.engine import SamplingParams
+    from miles_agent.environment import HarnessLimits
+
+    harness = registry.load("harnesses", "chat-tools")(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
+    with pytest.raises(UserError, match=r"'five': none of its demonstrator's 3 episodes .*reward_range \[0, 1\]"):
+        demonstrations(FiveEnv(num_tasks=3), harness, tokenizer, limit=3)
+
+
+@pytest.mark.slow
+def test_a_step_whose_every_reward_is_refused_stops_the_run_naming_why(tmp_path):
+    """Every reward out of range: was a RuntimeError traceback; now the run stops in one line (exit 3)."""
+    import os
+    import subprocess
+    import sys
+
+    mod = tmp_path / "five_env.py"
+    mod.write_text("from miles_agent.envs.arith_tools.env import ArithToolsEnv, ArithToolsSession\n"
+                   "from miles_agent.environment import Reward\n"
+                   "class S(ArithToolsSession):\n    async def score(self, m):\n        return Reward(5.0)\n"
+                   "class FiveEnv(ArithToolsEnv):\n    name = 'five'\n"
+                   "    async def open(self, task, sandbox=None):\n        return S(task)\n")
+    out = subprocess.run([sys.executable, "-m", "miles_agent.cli", "train", "--env", "five_env:FiveEnv", "--run-dir",
+                          str(tmp_path / "r"), "--no-progress", "model.warm_start=null", "run.steps=1",
+                          "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "every episode failed" in out.stderr and "outside the environment's reward_range [0, 1]" in out.stderr

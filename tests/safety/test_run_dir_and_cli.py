@@ -8,8 +8,9 @@ import json
 import pytest
 
 from miles_agent import cli
+from miles_agent.config import load_config
 from miles_agent.errors import UserError
-from miles_agent.run_state import check_run_dir
+from miles_agent.run_state import check_resume, check_run_dir
 
 
 def _old_run(tmp_path):
@@ -53,6 +54,23 @@ def test_the_cli_refuses_before_loading_a_model(tmp_path, capsys):
     assert code == 2 and "--overwrite" in err and err.count("\n") == 1
 
 
+def test_a_run_dir_that_is_a_file_or_under_one_is_one_line(tmp_path, capsys):
+    (tmp_path / "notes").write_text("mine")
+    with pytest.raises(UserError, match="notes is a file, not a folder"):
+        check_run_dir(tmp_path / "notes", resume=False, overwrite=False)
+    # a file part-way down the path: mkdir's NotADirectoryError, after the model loaded, used to be a traceback
+    code = cli.main(["train", "--env", "arith-tools", "--run-dir", str(tmp_path / "notes" / "r"), "run.steps=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"{tmp_path / 'notes'} is a file, not a folder" in err
+    # other paths (a --job-dir, a report's --out): the OSError is one line naming it
+    from miles_agent.cli import main
+
+    code = main(["report", str(_old_run(tmp_path / "b")), "--out", str(tmp_path / "notes" / "page")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "Not a directory" in err and "pick another path" in err
+    assert (tmp_path / "notes").read_text() == "mine"
+
+
 def test_an_override_between_options_gets_the_rule_and_the_corrected_command(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "--env", "arith-tools", "run.steps=2", "--seed", "3", "train.lr=1e-5", "--no-progress"])
@@ -73,12 +91,34 @@ def test_resume_command_is_the_same_line_with_resume(tmp_path):
     assert cli.resume_command(args) == "miles-agent train --resume --env e run.steps=3"
 
 
-def test_a_full_disk_says_space_and_where(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_full_disk_says_space_and_where(monkeypatch, capsys, tmp_path, wrapped):
     def full(args, cfg):
-        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "r" / "metrics.jsonl"))
+        e = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "r" / "metrics.jsonl"))
+        if wrapped:  # the trainer's checkpoint save: torch DCP wraps each rank's error (a BaseException)
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            raise CheckpointException("save failed", {0: (e, None)})
+        raise e
 
     monkeypatch.setattr(cli, "_train", full)
     code = cli.main(["train", "--env", "arith-tools", "--run-dir", str(tmp_path / "r"), "run.steps=1"])
     err = capsys.readouterr().err
     assert code == 28 and "no space left" in err and str(tmp_path / "r" / "metrics.jsonl") in err
     assert "--resume" in err and "Traceback" not in err
+
+
+def test_resume_continues_the_same_run_or_says_there_is_nothing_to_do(tmp_path, capsys):
+    run = _old_run(tmp_path)
+    (run / "config.json").write_text(json.dumps({"env": {"name": "arith-tools"}, "model": {"arch": "tiny-qwen3"}}))
+    (run / "checkpoints" / "step_2" / "loop_state.json").write_text(json.dumps({"step": 2}))
+    (run / "checkpoints" / "latest").write_text("step_7")  # gone: the step that counts is the intact one
+    assert check_resume(run, load_config(None, ["run.steps=3"])) == 2
+    # another environment used to train on into the old run, replacing its final model
+    code = cli.main(["train", "--env", "terminal-bench", "--run-dir", str(run), "--resume", "run.steps=3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is a run of env.name='arith-tools', not 'terminal-bench'; resume it with --env arith-tools" in err
+    # all steps done: said, and nothing rewritten (it used to reload and rewrite the final model silently)
+    code = cli.main(["train", "--env", "arith-tools", "--run-dir", str(run), "--resume", "run.steps=2"])
+    assert code == 0 and "already ran 2 steps (run.steps=2): nothing to do" in capsys.readouterr().out
+    assert (run / "final" / "model.safetensors").read_bytes() == b"weights"

@@ -92,7 +92,15 @@ def test_the_cli_answers_in_one_line_before_loading_anything(capsys, tmp_path):
     assert not (tmp_path / "r").exists()  # nothing was written
 
 
-def test_inf_is_allowed_where_a_range_is_open_above():
-    cfg = load_config(None, ["env.agent_timeout_s=.inf"])
+def test_inf_is_allowed_where_it_means_no_limit():
+    cfg = load_config(None, ["env.agent_timeout_s=.inf", "train.grad_clip=.inf"])
     assert math.isinf(cfg.env.agent_timeout_s)
     check_values(cfg)
+
+
+@pytest.mark.parametrize("override", ["train.lr=.inf", "rollout.temperature=.inf", "algo.kl_coef=.inf"])
+def test_inf_is_refused_where_it_means_nothing(override):
+    # train.lr=inf used to be accepted (inf > 0) and trained the weights into NaN
+    key = override.split("=")[0]
+    with pytest.raises(UserError, match=rf"{key}=inf is not a finite number; set e.g. {key}="):
+        check_values(load_config(None, [override]))
