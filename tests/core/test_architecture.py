@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = "miles_agent"
-CORE_BUDGET = 7500  # lines of miles_agent/**/*.py
+CORE_BUDGET = 7600  # lines of miles_agent/**/*.py (7,500 until the vision-language inputs, models/vision.py, joined)
 MAX_FILE_LINES = 600
 
 
