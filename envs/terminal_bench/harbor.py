@@ -30,11 +30,13 @@ loader and a device node (tar keeps them when root unpacks) would read the host'
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 import posixpath
 import re
 import shutil
+import subprocess
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -415,6 +417,36 @@ def _python_base(image: str | None) -> bool:
     return repo == "python" or repo.startswith("python-")
 
 
+def python_base_version(image: str | None) -> str | None:
+    """The Python a python:* base image names, as "3.13" (python:3.13-slim, t-bench's python-3-13:...);
+    None when it names none (python:3, python:latest) or is not a python image."""
+    ref = (image or "").split("@")[0]
+    repo, _, tag = ref.rsplit("/", 1)[-1].partition(":")
+    found = re.fullmatch(r"python-(\d+)-(\d+)", repo) or (repo == "python" and re.match(r"(\d+)\.(\d+)", tag))
+    return f"{found.group(1)}.{found.group(2)}" if found else None
+
+
+@functools.lru_cache(maxsize=1)
+def host_python_version() -> str | None:
+    """The local sandbox's python3 (this host's, on the sandbox's PATH), as "3.11"."""
+    exe = shutil.which("python3", path=HOST_PATH)
+    if exe is None:
+        return None
+    out = subprocess.run([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                         capture_output=True, text=True, timeout=30)
+    return out.stdout.strip() or None
+
+
+def python_version_reason(image: str | None) -> str | None:
+    """Why the local sandbox cannot stand in for a python:X.Y image: its python3 is another version, and
+    the version shows (Python 3.12 made float sum() exact, 3.13 changed error messages: a task's expected
+    output can hold either)."""
+    want, have = python_base_version(image), host_python_version()
+    if want and have and want != have:
+        return f"its base image {image} is Python {want}; the local sandbox's python3 is {have}"
+    return None
+
+
 def load_task(task_dir: str | Path) -> HarborTask:
     """Parse one Harbor task directory, or raise TaskFormatError naming the file and the fix.
 
@@ -446,6 +478,9 @@ def load_task(task_dir: str | Path) -> HarborTask:
         raise TaskFormatError(f"{toml_path}: split must be a string such as \"train\", got {split!r}")
     env = {**(plan.env if plan else {}), **(compose.env if compose else {}),
            **_str_map(env_section, "environment", toml_path)}
+    version_reason = python_version_reason(plan.image) if plan is not None else None
+    if version_reason:
+        reasons.append(version_reason)
     if plan is not None and not reasons and _python_base(plan.image) and not shutil.which("python", path=HOST_PATH):
         files[PYTHON_SHIM] = BASE_BIN / "python"  # python:* images have `python`; this host has only python3
         env["PATH"] = env.get("PATH", BASE_ENV["PATH"]) + ":" + posixpath.dirname(PYTHON_SHIM)

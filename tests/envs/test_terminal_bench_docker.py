@@ -24,8 +24,12 @@ import pytest
 pytest.importorskip("docker")
 from miles_agent.envs.terminal_bench import TerminalBenchEnv  # noqa: E402
 from miles_agent.envs.terminal_bench import verifier_toolchain as vt  # noqa: E402
+from miles_agent.envs.terminal_bench.harbor import host_python_version  # noqa: E402
 from miles_agent.sandbox import SandboxError  # noqa: E402
 from miles_agent.sandboxes.docker import DockerSandbox, connect  # noqa: E402
+
+# A python:* image the local sandbox stands in for: its python3's version (another version needs the image).
+HOST_PYTHON_IMAGE = f"python:{host_python_version()}-slim"
 
 URL, IMAGE = os.environ.get("MILES_AGENT_DOCKER_TEST_URL"), os.environ.get("MILES_AGENT_DOCKER_TEST_IMAGE")
 pytestmark = pytest.mark.skipif(not (URL and IMAGE), reason="no container engine configured: set "
@@ -260,7 +264,7 @@ def test_a_missing_image_offline_says_how_to_provide_it(tmp_path):
 def test_a_python_base_task_that_also_runs_locally_opens_in_its_built_image(tmp_path):
     """A python:* task with only a WORKDIR and a COPY runs locally too, so its staged files include the
     local sandbox's `python` shim; through docker the image is built instead and open() must not touch them."""
-    write_task(tmp_path, "py-base", dockerfile="FROM python:3.13-slim-bookworm\nWORKDIR /app\nCOPY run.sh /app/run.sh\n",
+    write_task(tmp_path, "py-base", dockerfile=f"FROM {HOST_PYTHON_IMAGE}\nWORKDIR /app\nCOPY run.sh /app/run.sh\n",
                files={"run.sh": b"#!/bin/sh\necho ran > /app/out.txt\n"}, solve_sh="sh /app/run.sh\n",
                test_sh="""\
                    #!/bin/bash

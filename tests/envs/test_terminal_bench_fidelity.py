@@ -20,7 +20,10 @@ from harbor_helpers import make_task
 from miles_agent.envs.terminal_bench import TerminalBenchEnv
 from miles_agent.envs.terminal_bench.dockerfile import expand, plan_dockerfile, run_reason
 from miles_agent.envs.terminal_bench.env import LocalSetupError
-from miles_agent.envs.terminal_bench.harbor import PYTHON_SHIM, load_task
+from miles_agent.envs.terminal_bench.harbor import PYTHON_SHIM, host_python_version, load_task
+
+# A python:* image the local sandbox stands in for: its python3's version (another version needs the image).
+HOST_PYTHON_IMAGE = f"python:{host_python_version()}-slim"
 
 local = pytest.importorskip("miles_agent.sandboxes.local", reason="the local sandbox is not installed")
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +65,7 @@ def test_computed_paths_and_the_real_workdir(tmp_path):
     """``APP_DIR="${APP_DIR:-/app}"`` and ``$(dirname "$0")`` only work where /app, /tests and /solution
     really are: nothing in the scripts is rewritten."""
     make_task(tmp_path, "paths", files={
-        "environment/Dockerfile": "FROM python:3.13-slim-bookworm\nWORKDIR /app\nCOPY input.txt /app/input.txt\n",
+        "environment/Dockerfile": f"FROM {HOST_PYTHON_IMAGE}\nWORKDIR /app\nCOPY input.txt /app/input.txt\n",
         "environment/input.txt": "3\n4\n",
         "solution/solve.sh": ('#!/bin/bash\nHERE="$(cd "$(dirname "$0")" && pwd)"\nAPP_DIR="${APP_DIR:-/app}"\n'
                               '[ "$HERE" = /solution ] && [ "$PWD" = /app ] || exit 3\n'
@@ -76,7 +79,7 @@ def test_env_path_is_expanded_against_the_base_image(tmp_path):
     """``ENV PATH="/opt/tool/bin:${PATH}"`` keeps the system PATH (rm, cat still found), and a COPY to
     an absolute path outside the WORKDIR lands there."""
     make_task(tmp_path, "envpath", files={
-        "environment/Dockerfile": ('FROM python:3.12-slim\nENV TOOL_HOME=/opt/tool\n'
+        "environment/Dockerfile": (f'FROM {HOST_PYTHON_IMAGE}\nENV TOOL_HOME=/opt/tool\n'
                                    'ENV PATH="${TOOL_HOME}/bin:${PATH}" GREETING=${UNSET:-hello}\n'
                                    "WORKDIR /app\nCOPY greet /opt/tool/bin/greet\n"),
         "environment/greet": "#!/bin/sh\necho \"$GREETING from $0\"\n",
@@ -95,7 +98,7 @@ def test_a_verifier_imports_the_agents_package_from_the_workdir(tmp_path):
     verifier's Python has no cwd on sys.path (an agent's json.py must not pass the tests), so such a task
     fails; ``verifier_safe_path=False`` gives it Harbor's behaviour."""
     make_task(tmp_path, "pkg", files={
-        "environment/Dockerfile": "FROM python:3.12-slim\nWORKDIR /app\n",
+        "environment/Dockerfile": f"FROM {HOST_PYTHON_IMAGE}\nWORKDIR /app\n",
         "solution/solve.sh": ("#!/bin/bash\nmkdir -p reconciler\n"
                               "printf 'print(6 * 7)\\n' > reconciler/__main__.py\n"),
     }, test_sh=check('cd /app', '[ "$(python3 -m reconciler)" = 42 ]'))
@@ -159,7 +162,7 @@ def test_a_run_that_only_installs_apt_packages_the_host_has_is_satisfied_by_the_
 
 def test_python_base_images_have_python(tmp_path):
     """python:* images have `python`; where this host has only python3 the local sandbox provides it."""
-    make_task(tmp_path, "py", files={"environment/Dockerfile": "FROM python:3.12-slim\nWORKDIR /app\n",
+    make_task(tmp_path, "py", files={"environment/Dockerfile": f"FROM {HOST_PYTHON_IMAGE}\nWORKDIR /app\n",
                                      "solution/solve.sh": "#!/bin/bash\npython -c 'print(6*7)' > out.txt\n"},
               test_sh=check('[ "$(cat out.txt)" = 42 ]', 'python -c "import sys; sys.exit(0)"'))
     assert asyncio.run(oracle_and_noop(tmp_path, "py"))[:2] == (1.0, 0.0)
@@ -187,7 +190,7 @@ def test_a_compose_file_with_one_service_is_read_as_that_service(tmp_path):
                "    volumes:\n      - ${HOST_VERIFIER_LOGS_PATH}:${ENV_VERIFIER_LOGS_PATH}\n")
     make_task(tmp_path, "compose", files={
         "environment/docker-compose.yaml": compose,
-        "environment/Dockerfile": "FROM python:3.12-slim\nWORKDIR /app\nCOPY x.txt ./\n",
+        "environment/Dockerfile": f"FROM {HOST_PYTHON_IMAGE}\nWORKDIR /app\nCOPY x.txt ./\n",
         "environment/x.txt": "x\n",
         "solution/solve.sh": "#!/bin/bash\necho \"$MODE $TEST_DIR\" > /work/mode.txt\n"},
         test_sh=check('[ "$PWD" = /work ]', '[ "$(cat mode.txt)" = "compose /tests" ]', '[ -f /app/x.txt ]'))
@@ -322,3 +325,26 @@ def test_under_auto_a_run_step_that_fails_locally_sends_the_task_to_a_container(
     spec = env.sandbox_spec(task)
     assert env.harbor_task(task).needs_container and (spec.image or spec.build) is not None
     assert env.routes()["fails"][0] == "docker"
+
+
+def test_a_python_image_of_another_version_needs_its_container():
+    """Python 3.12 made float sum() exact: a public task on python-3-13 whose oracle passes there failed on
+    this host's 3.11 (2.5499999999999994 != 2.55). The local sandbox stands in only for its own version."""
+    from miles_agent.envs.terminal_bench.harbor import python_base_version, python_version_reason
+
+    assert python_base_version("ghcr.io/laude-institute/t-bench/python-3-13:20250620") == "3.13"
+    assert python_base_version("docker.io/library/python:3.12-slim-bookworm") == "3.12"
+    assert python_base_version("python:3-slim") is None and python_base_version("ubuntu:24.04") is None
+    other = "3.13" if host_python_version() != "3.13" else "3.12"
+    assert python_version_reason(HOST_PYTHON_IMAGE) is None
+    reason = python_version_reason(f"python:{other}-slim")
+    assert reason == f"its base image python:{other}-slim is Python {other}; the local sandbox's python3 is {host_python_version()}"
+
+
+def test_the_version_reason_keeps_such_a_task_off_the_local_sandbox(tmp_path):
+    other = "3.13" if host_python_version() != "3.13" else "3.12"
+    make_task(tmp_path, "newer", files={"environment/Dockerfile": f"FROM python:{other}-slim\nWORKDIR /app\n"})
+    make_task(tmp_path, "same", files={"environment/Dockerfile": f"FROM {HOST_PYTHON_IMAGE}\nWORKDIR /app\n"})
+    newer, same = load_task(tmp_path / "newer"), load_task(tmp_path / "same")
+    assert newer.needs_container and f"Python {other}" in newer.container_reasons[0]
+    assert not same.needs_container

@@ -20,9 +20,12 @@ from miles_agent.envs.terminal_bench import (
     load_tasks,
 )
 from miles_agent.envs.terminal_bench.env import _format_output, _parse_reward
-from miles_agent.envs.terminal_bench.harbor import PYTHON_SHIM
+from miles_agent.envs.terminal_bench.harbor import PYTHON_SHIM, host_python_version
 from miles_agent.errors import UserError
 from miles_agent.sandbox import ExecResult
+
+# A python:* image the local sandbox stands in for: its python3's version (another version needs the image).
+HOST_PYTHON_IMAGE = f"python:{host_python_version()}-slim"
 
 
 def test_shipped_set_is_graded_and_complete():
@@ -128,7 +131,7 @@ def test_new_schema_metadata_memory_splits_and_single_task_dir(tmp_path):
 
 def test_dockerfile_with_only_files_runs_locally_with_workdir_mapped(tmp_path):
     d = make_task(tmp_path, files={
-        "environment/Dockerfile": ("# a comment\nFROM python:3.12-slim\nWORKDIR /app\nENV MODE=fast \\\n"
+        "environment/Dockerfile": (f"# a comment\nFROM {HOST_PYTHON_IMAGE}\nWORKDIR /app\nENV MODE=fast \\\n"
                                    "    OTHER=1\nCOPY data/ ./data/\nCOPY run.sh /app/bin/run.sh\n"),
         "environment/data/a.txt": "a", "environment/run.sh": "echo", "environment/unused.txt": "u"})
     t = load_task(d)
