@@ -25,9 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400),
 TASK_IDS = [t.id for t in DesktopEnv().tasks()]
 
 
-async def episode(env: DesktopEnv, task_id: str, play, sandbox: DockerSandbox | None = None) -> tuple[float, dict]:
+async def episode(env: DesktopEnv, task_id: str, play) -> tuple[float, dict]:
     task = next(t for t in env.tasks() if t.id == task_id)
-    sandbox = sandbox or DockerSandbox(base_url=URL)
+    sandbox = DockerSandbox(base_url=URL)
     await sandbox.start(env.sandbox_spec(task))
     try:
         session = await env.open(task, sandbox)
@@ -58,6 +58,11 @@ def test_every_shipped_task_scores_one_with_its_oracle_and_zero_without_on_docke
 
 
 def test_the_desktop_leaves_no_container_behind():
-    sandbox = DockerSandbox(base_url=URL)
-    asyncio.run(episode(DesktopEnv(sandbox="docker"), TASK_IDS[0], nothing, sandbox))
-    assert sandbox.handle and not connect(URL).containers(all=True, filters={"id": sandbox.handle})
+    seen: list[str] = []
+
+    async def note_container(session) -> None:
+        seen.append(session.sandbox.handle_id)
+        assert connect(URL).containers(filters={"id": seen[0]})  # running while the episode plays
+
+    asyncio.run(episode(DesktopEnv(sandbox="docker"), TASK_IDS[0], note_container))
+    assert seen and not connect(URL).containers(all=True, filters={"id": seen[0]})
