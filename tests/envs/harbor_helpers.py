@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles_agent.envs.terminal_bench.harbor import host_python_version
+
 TEST_SH = "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"
+# A python:* image the local sandbox stands in for (its python3's version), and one it cannot (any other).
+HOST_PYTHON_IMAGE = f"python:{host_python_version()}-slim"
+OTHER_PYTHON = "3.13" if host_python_version() != "3.13" else "3.12"
 
 
 def make_task(root: Path, name: str = "t", toml: str = 'version = "1.0"\n', instruction: str = "Do it.",

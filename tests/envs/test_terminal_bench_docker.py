@@ -22,14 +22,12 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("docker")
+from harbor_helpers import HOST_PYTHON_IMAGE  # noqa: E402
+
 from miles_agent.envs.terminal_bench import TerminalBenchEnv  # noqa: E402
 from miles_agent.envs.terminal_bench import verifier_toolchain as vt  # noqa: E402
-from miles_agent.envs.terminal_bench.harbor import host_python_version  # noqa: E402
 from miles_agent.sandbox import SandboxError  # noqa: E402
 from miles_agent.sandboxes.docker import DockerSandbox, connect  # noqa: E402
-
-# A python:* image the local sandbox stands in for: its python3's version (another version needs the image).
-HOST_PYTHON_IMAGE = f"python:{host_python_version()}-slim"
 
 URL, IMAGE = os.environ.get("MILES_AGENT_DOCKER_TEST_URL"), os.environ.get("MILES_AGENT_DOCKER_TEST_IMAGE")
 pytestmark = pytest.mark.skipif(not (URL and IMAGE), reason="no container engine configured: set "

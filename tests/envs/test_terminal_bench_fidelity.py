@@ -15,15 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from harbor_helpers import make_task
+from harbor_helpers import HOST_PYTHON_IMAGE, OTHER_PYTHON, make_task
 
 from miles_agent.envs.terminal_bench import TerminalBenchEnv
 from miles_agent.envs.terminal_bench.dockerfile import expand, plan_dockerfile, run_reason
 from miles_agent.envs.terminal_bench.env import LocalSetupError
 from miles_agent.envs.terminal_bench.harbor import PYTHON_SHIM, host_python_version, load_task
-
-# A python:* image the local sandbox stands in for: its python3's version (another version needs the image).
-HOST_PYTHON_IMAGE = f"python:{host_python_version()}-slim"
 
 local = pytest.importorskip("miles_agent.sandboxes.local", reason="the local sandbox is not installed")
 REPO = Path(__file__).resolve().parents[2]
@@ -335,14 +332,14 @@ def test_a_python_image_of_another_version_needs_its_container():
     assert python_base_version("ghcr.io/laude-institute/t-bench/python-3-13:20250620") == "3.13"
     assert python_base_version("docker.io/library/python:3.12-slim-bookworm") == "3.12"
     assert python_base_version("python:3-slim") is None and python_base_version("ubuntu:24.04") is None
-    other = "3.13" if host_python_version() != "3.13" else "3.12"
+    other = OTHER_PYTHON
     assert python_version_reason(HOST_PYTHON_IMAGE) is None
     reason = python_version_reason(f"python:{other}-slim")
     assert reason == f"its base image python:{other}-slim is Python {other}; the local sandbox's python3 is {host_python_version()}"
 
 
 def test_the_version_reason_keeps_such_a_task_off_the_local_sandbox(tmp_path):
-    other = "3.13" if host_python_version() != "3.13" else "3.12"
+    other = OTHER_PYTHON
     make_task(tmp_path, "newer", files={"environment/Dockerfile": f"FROM python:{other}-slim\nWORKDIR /app\n"})
     make_task(tmp_path, "same", files={"environment/Dockerfile": f"FROM {HOST_PYTHON_IMAGE}\nWORKDIR /app\n"})
     newer, same = load_task(tmp_path / "newer"), load_task(tmp_path / "same")

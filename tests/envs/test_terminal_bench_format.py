@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from harbor_helpers import make_task
+from harbor_helpers import HOST_PYTHON_IMAGE, make_task
 
 from miles_agent.environment import ToolError
 from miles_agent.envs.terminal_bench import (
@@ -20,12 +20,9 @@ from miles_agent.envs.terminal_bench import (
     load_tasks,
 )
 from miles_agent.envs.terminal_bench.env import _format_output, _parse_reward
-from miles_agent.envs.terminal_bench.harbor import PYTHON_SHIM, host_python_version
+from miles_agent.envs.terminal_bench.harbor import PYTHON_SHIM
 from miles_agent.errors import UserError
 from miles_agent.sandbox import ExecResult
-
-# A python:* image the local sandbox stands in for: its python3's version (another version needs the image).
-HOST_PYTHON_IMAGE = f"python:{host_python_version()}-slim"
 
 
 def test_shipped_set_is_graded_and_complete():
