@@ -186,9 +186,9 @@ class EngineSupervisor:
         """Probe ``slots``; take the ones that do not answer out of rotation (they restart). Any taken out?"""
         probes = await asyncio.gather(*(asyncio.wait_for(_awaitable(s.actor.probe.remote()), self.timeout)
                                         for s in slots), return_exceptions=True)
-        dead = [(s, s.actor) for s, p in zip(slots, probes) if isinstance(p, BaseException)]
-        for slot, actor in dead:
-            self._failed(slot, actor, "died during a weight broadcast")
+        dead = [(s, s.actor, p) for s, p in zip(slots, probes) if isinstance(p, BaseException)]
+        for slot, actor, error in dead:
+            self._failed(slot, actor, f"died during a weight broadcast ({type(error).__name__})")
         return bool(dead)
 
     async def _sync_one(self, slot: _Slot, actor: Any, ref: Any, version: int) -> bool | None:

@@ -51,6 +51,8 @@ def test_external_benches_are_run_and_their_ratios_read(tmp_path, monkeypatch):
     assert run_all.summarize([3.0, 1.0, float("nan"), 2.0])["median"] == 2.0
 
 
+@pytest.mark.slow  # runs every benchmark end to end (~2 min on 2 cores): nightly; the suite's parsing and
+# ratio logic is covered above in the fast set
 def test_quick_suite_reports_every_ratio(tmp_path):
     pytest.importorskip("trl")
     import subprocess
