@@ -2,7 +2,7 @@
 
 Every rank receives the whole batch and computes the *same* plan locally (no communication): the
 sequences are balanced over ranks by token count, then bin-packed into micro-batches of at most
-``micro_batch_tokens`` padded tokens. FSDP runs collectives in every forward and backward, so all
+``micro_batch_tokens`` padded tokens (real tokens when the trainer packs them, ``pack``). FSDP runs collectives in every forward and backward, so all
 ranks must run the same number of micro-batches: ranks with fewer get empty "filler" micro-batches
 (one pad row, nothing trains) to keep them in lockstep.
 
@@ -33,23 +33,32 @@ def split_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[int
     return shares
 
 
-def pack_micro_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Greedy packing of length-sorted sequences: a micro-batch grows while ``rows * longest`` (its
-    padded size) stays within ``max_tokens``. Sorting keeps padding small; no sequence is split, so a
-    sequence longer than ``max_tokens`` gets a micro-batch of its own."""
+def pack_micro_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: int,
+                       packed: bool = False) -> list[list[int]]:
+    """Greedy packing of length-sorted sequences: a micro-batch grows while its size stays within
+    ``max_tokens`` -- ``rows * longest`` padded, the sum of its lengths when ``packed`` (varlen: no pad is
+    computed). Sorting keeps padding small (and equal lengths adjacent, which varlen attention batches);
+    no sequence is split, so a sequence longer than ``max_tokens`` gets a micro-batch of its own."""
     order = sorted(indices, key=lambda i: (-lengths[i], i))
     out: list[list[int]] = []
+    size = 0
     for i in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
-            out[-1].append(i)
-        else:
-            out.append([i])
+        if out:
+            grown = size + lengths[i] if packed else (len(out[-1]) + 1) * lengths[out[-1][0]]
+            if grown <= max_tokens:
+                out[-1].append(i)
+                size = grown
+                continue
+        out.append([i])
+        size = lengths[i]
     return out
 
 
-def rank_plan(lengths: Sequence[int], max_tokens: int, world_size: int, rank: int) -> list[list[int]]:
+def rank_plan(lengths: Sequence[int], max_tokens: int, world_size: int, rank: int,
+              packed: bool = False) -> list[list[int]]:
     """This rank's micro-batches (lists of batch indices), padded with ``[]`` fillers to the longest plan."""
-    plans = [pack_micro_batches(share, lengths, max_tokens) for share in split_across_ranks(lengths, world_size)]
+    plans = [pack_micro_batches(share, lengths, max_tokens, packed)
+             for share in split_across_ranks(lengths, world_size)]
     longest = max((len(p) for p in plans), default=0)
     return plans[rank] + [[] for _ in range(longest - len(plans[rank]))]
 
@@ -75,6 +84,7 @@ class MicroBatch:
     packed_ids: Tensor | None = None  # [1, T]
     packed_positions: Tensor | None = None  # [1, T]
     packed_src: Tensor | None = None  # [B, K] long
+    packed_lengths: list[int] | None = None  # the rows' lengths in the packed row, in row order
     # A vision-language model's image inputs of the rows, in row then token order (``add_images``).
     pixel_values: Tensor | None = None  # [patches, C * T * P * P]
     image_grid_thw: Tensor | None = None  # [images, 3]
@@ -171,16 +181,16 @@ def add_images(mb: MicroBatch, trajectories: Sequence[Trajectory], image_token_i
 
 def pack(mb: MicroBatch) -> MicroBatch:
     """Add the packed layout to ``mb`` (varlen packing): its rows' real tokens concatenated into one row
-    with ``position_ids`` restarting at each sequence, which transformers turns into attention that
-    never crosses a sequence boundary (a block-diagonal causal mask; cu_seqlens with flash attention).
-    The grid stays padded: only the forward runs packed, the loss reads the same ``[B, K]`` grid."""
-    lengths = mb.attention_mask.sum(-1).tolist()
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + int(n))
-    mb.packed_ids = torch.cat([mb.input_ids[b, :int(n)] for b, n in enumerate(lengths)])[None]
-    mb.packed_positions = torch.cat([torch.arange(int(n), device=mb.input_ids.device) for n in lengths])[None]
-    cols = torch.arange(mb.targets.shape[1], device=mb.input_ids.device)
-    starts_t = torch.tensor(starts, dtype=torch.long, device=mb.input_ids.device)
-    mb.packed_src = (starts_t[:, None] + mb.offset + cols[None]).where(mb.real, torch.zeros((), dtype=torch.long))
+    with ``position_ids`` restarting at each sequence; attention never crosses a sequence boundary
+    (``varlen``: causal SDPA per sequence; else transformers' block-diagonal mask, or cu_seqlens with
+    flash attention). The grid stays padded: only the forward runs packed, the loss reads the same
+    ``[B, K]`` grid (small: one value per cell, against the forward's hidden size per token)."""
+    lengths = [int(n) for n in mb.attention_mask.sum(-1).tolist()]
+    device = mb.input_ids.device
+    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long, device=device).cumsum(0)
+    mb.packed_ids = mb.input_ids[mb.attention_mask.bool()][None]  # right padding: row by row, real tokens only
+    mb.packed_positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    mb.packed_lengths = lengths
+    cols = torch.arange(mb.targets.shape[1], device=device)
+    mb.packed_src = (starts[:, None] + mb.offset + cols[None]).where(mb.real, torch.zeros((), dtype=torch.long))
     return mb

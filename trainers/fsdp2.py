@@ -37,7 +37,7 @@ from miles_agent.errors import UserError
 from miles_agent.models.vision import mask_suppressed, suppressed_ids, vision_token_ids
 from miles_agent.trainers import checkpoint as ckpt
 from miles_agent.trainers import lora as lora_mod
-from miles_agent.trainers import precision, qat, routing_replay
+from miles_agent.trainers import precision, qat, routing_replay, varlen
 from miles_agent.trainers.batching import MicroBatch, add_images, pack
 from miles_agent.trainers.logprobs import chunked_head, head_logprobs
 from miles_agent.trainers.lora_options import LoraSection
@@ -91,10 +91,9 @@ def shard(model: nn.Module, mesh: DeviceMesh, mp_policy: Any = None) -> nn.Modul
 def check_memory_options(train: TrainConfig, algo: AlgoConfig) -> None:
     if train.logits_chunk_tokens < 0:
         raise UserError(f"train.logits_chunk_tokens must be >= 0 (0 = unchunked), got {train.logits_chunk_tokens}")
-    for name in ("routing_replay", "true_on_policy"):
-        if train.pack_sequences and getattr(algo, name):
-            raise UserError(f"train.pack_sequences and algo.{name} are exclusive ({name} lays out one sequence "
-                            "per row); set train.pack_sequences=false")
+    if train.pack_sequences and algo.true_on_policy:
+        raise UserError("train.pack_sequences and algo.true_on_policy are exclusive (true on-policy runs the "
+                        "engine's kernels on one sequence per row); set train.pack_sequences=false")
 
 
 class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
@@ -122,6 +121,8 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
             routing_replay.install(model)
         if algo.true_on_policy:  # the engine's batch-invariant numerics: bitwise-equal logprobs
             true_on_policy.apply(model)
+        if train.pack_sequences:  # packed rows: causal SDPA per sequence (a no-op for unpacked forwards)
+            varlen.install(model)
         self.ref_model: nn.Module | None = None
         if needs_reference(algo):  # a frozen copy of the initial policy in the compute dtype (not saved)
             self.ref_model = shard(copy.deepcopy(model).requires_grad_(False).eval().to(self.device), self.mesh)
@@ -157,8 +158,9 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
             return torch.stack([logp, ent], -1) if ent is not None else logp[:, None]
 
         with routing_replay.replaying(model, mb.routed_experts), chunked_head(model, head):
-            if mb.packed_ids is not None:  # no attention mask: transformers blocks attention across sequences
-                vals = model(input_ids=mb.packed_ids, position_ids=mb.packed_positions, use_cache=False).logits
+            if mb.packed_ids is not None:  # attention stays within each sequence (varlen, or transformers' mask)
+                vals = model(input_ids=mb.packed_ids, position_ids=mb.packed_positions, use_cache=False,
+                             **varlen.forward_kwargs(model, mb.packed_lengths, self.device)).logits
             else:
                 vals = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
                              use_cache=False, **mb.model_inputs()).logits
@@ -198,8 +200,11 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
         if self.algo.routing_replay:
             routers = routing_replay.moe_routers(self.model)
             for mb in mbs:
-                mb.routed_experts = routing_replay.layout(trajectories, mb.indices, mb.input_ids.shape[1],
-                                                          len(routers), routers[0].top_k).to(self.device)
+                ids = routing_replay.layout(trajectories, mb.indices, mb.input_ids.shape[1], len(routers),
+                                            routers[0].top_k)
+                if mb.packed_lengths is not None:  # the packed row's tokens, row by row
+                    ids = torch.cat([ids[b, :n] for b, n in enumerate(mb.packed_lengths)])[None]
+                mb.routed_experts = ids.to(self.device)
         return mbs
 
     def _backward(self, loss: Tensor) -> None:
@@ -214,6 +219,9 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
 
     def _dp_group(self) -> Any:
         return None  # the default group: every rank holds its own data
+
+    def _packs_sequences(self) -> bool:
+        return self.train_cfg.pack_sequences and vision_token_ids(self.model) is None  # image rows run padded
 
     def _optimized_params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only

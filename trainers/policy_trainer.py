@@ -184,6 +184,11 @@ class PolicyTrainer(ABC):
             self._backward(loss)
             yield metrics
 
+    def _packs_sequences(self) -> bool:
+        """Whether text micro-batches run packed (``batching.pack``): their token budget then counts real
+        tokens, not ``rows * longest``."""
+        return False
+
     def _optimized_params(self) -> list[nn.Parameter]:
         """The parameters AdamW steps (Megatron's fp32 main copies under mixed precision)."""
         return list(self.model.parameters())
@@ -219,7 +224,8 @@ class PolicyTrainer(ABC):
                 raise ValueError("no reference model: it exists only with algo.kl_coef or algo.kl_reward_coef > 0")
             model = self.ref_model
         lengths = [len(t.tokens) for t in trajectories]
-        plan = pack_micro_batches(range(len(trajectories)), lengths, self.train_cfg.micro_batch_tokens)
+        plan = pack_micro_batches(range(len(trajectories)), lengths, self.train_cfg.micro_batch_tokens,
+                                  self._packs_sequences())
         out: list[list[float]] = [[] for _ in trajectories]
         mbs = self._build_micro_batches(trajectories, plan, None)
         for mb, logp in zip(mbs, self._no_grad_logprobs(model, mbs)):
@@ -242,10 +248,11 @@ class PolicyTrainer(ABC):
         Old and reference logprobs are computed here, once, before any step changes the model."""
         trajs, cfg = batch.trajectories, self.train_cfg
         lengths = [len(t.tokens) for t in trajs]
+        packed = self._packs_sequences()
         steps = []
         for mini in split_mini_batches([t.group_id for t in trajs], cfg.mini_batches):
             plan = [[mini[j] for j in mb] for mb in rank_plan([lengths[i] for i in mini], cfg.micro_batch_tokens,
-                                                                self.dp_size, self.dp_rank)]
+                                                                self.dp_size, self.dp_rank, packed)]
             mbs = self._build_micro_batches(trajs, plan, batch.advantages, batch.teacher_logprobs)
             olds = self._given_or_computed(mbs, batch.old_logprobs,
                                            None if self.algo.use_rollout_logprobs else self.model)

@@ -79,7 +79,7 @@ def test_activation_checkpointing_gives_the_same_update() -> None:
 
 def test_memory_options_are_checked() -> None:
     with pytest.raises(UserError, match="pack_sequences"):
-        make_trainer(pack_sequences=True, routing_replay=True, arch="tiny-qwen3-moe")
+        make_trainer(pack_sequences=True, true_on_policy=True)
     with pytest.raises(UserError, match="logits_chunk_tokens"):
         make_trainer(logits_chunk_tokens=-1)
 
