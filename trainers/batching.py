@@ -103,6 +103,12 @@ class MicroBatch:
         return self.attention_mask[:, self.offset + 1:].bool()
 
     @property
+    def scored(self) -> Tensor:
+        """[B, K] bool: the cells whose logprob anything reads -- sampled or trained tokens (every loss
+        term, metric and ``rows_to_lists`` masks the others out). The LM head runs on these only."""
+        return self.real & (self.sampled | (self.loss_mask > 0))
+
+    @property
     def keep(self) -> int:
         """How many trailing input positions need logits (``logits_to_keep``)."""
         return self.input_ids.shape[1] - self.offset

@@ -146,14 +146,17 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch, entropy: bool = False,
                           entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logprobs (and entropy) on the grid, in fp32, from the LM head run a chunk at a time over the
-        real grid cells only (``logprobs``); packed micro-batches run one row with restarting positions."""
+        scored grid cells only (``logprobs``; 0 elsewhere: prompt and observation tokens are never read);
+        packed micro-batches run one row with restarting positions."""
         if self.algo.true_on_policy:  # the engine's exact kernels over the whole logits
             return self._full_logits_logprobs(model, mb, entropy, entropy_grad)
-        real, chunk = mb.real, self.train_cfg.logits_chunk_tokens
+        cells, chunk = mb.scored, self.train_cfg.logits_chunk_tokens
+        if not bool(cells.any()):  # a filler micro-batch: its one real cell keeps the head in the graph
+            cells = mb.real
 
         def head(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-            h = hidden[0, mb.packed_src[real]] if mb.packed_ids is not None else hidden[:, :-1][real]
-            logp, ent = head_logprobs(h, weight, bias, mb.targets[real], self.temperature, chunk, entropy,
+            h = hidden[0, mb.packed_src[cells]] if mb.packed_ids is not None else hidden[:, :-1][cells]
+            logp, ent = head_logprobs(h, weight, bias, mb.targets[cells], self.temperature, chunk, entropy,
                                       entropy_grad, self.suppressed)
             return torch.stack([logp, ent], -1) if ent is not None else logp[:, None]
 
@@ -164,9 +167,9 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
             else:
                 vals = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=mb.keep,
                              use_cache=False, **mb.model_inputs()).logits
-        zeros = torch.zeros(real.shape, dtype=vals.dtype, device=vals.device)
-        logp = zeros.masked_scatter(real, vals[:, 0])
-        return logp, zeros.masked_scatter(real, vals[:, 1]) if entropy else None
+        zeros = torch.zeros(cells.shape, dtype=vals.dtype, device=vals.device)
+        logp = zeros.masked_scatter(cells, vals[:, 0])
+        return logp, zeros.masked_scatter(cells, vals[:, 1]) if entropy else None
 
     def _full_logits_logprobs(self, model: nn.Module, mb: MicroBatch, entropy: bool = False,
                               entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:

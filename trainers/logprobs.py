@@ -4,8 +4,8 @@ A full ``[tokens, vocab]`` logits tensor is the largest activation of a long age
 tokens x 152k vocabulary = 18.6 GiB in fp32, more with its softmax and gradient). ``head_logprobs``
 runs the LM head, the fp32 log-softmax and the entropy over ``chunk`` tokens at a time; under
 autograd each chunk is checkpointed (``torch.utils.checkpoint``), so backward recomputes one chunk's
-logits at a time instead of keeping them all. Only grid cells whose target is a real token are
-computed (pad columns of a padded micro-batch never reach the head).
+logits at a time instead of keeping them all. Only grid cells whose logprob is read are computed
+(sampled or trained tokens: pad columns, prompt and observation tokens never reach the head).
 
 ``chunked_head(model, fn)`` swaps the HF model's output layer for ``fn`` during one forward call, so
 the head still runs inside the model's forward (FSDP2 has the head's weight gathered there, and

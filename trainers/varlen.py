@@ -71,13 +71,16 @@ def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, atte
         raise ValueError(f"varlen attention over {varlen.total} packed tokens got a query of shape "
                          f"{tuple(query.shape)} and a key of shape {tuple(key.shape)}")
     kwargs.pop("is_causal", None)
+    sizes = [count * length for _, count, length in varlen.runs]
+    # one split per tensor (its backward is one cat), not a slice per run (each slice's backward would
+    # zero-fill a gradient of the whole row)
+    parts = zip(*(t[0].split(sizes, dim=1) for t in (query, key, value)))
     outs = []
-    for start, count, length in varlen.runs:
-        q, k, v = (t[0, :, start:start + count * length].unflatten(1, (count, length)).transpose(0, 1)
-                   for t in (query, key, value))  # [count, heads, length, dim] views
+    for (_, count, length), qkv in zip(varlen.runs, parts):
+        q, k, v = (t.unflatten(1, (count, length)).transpose(0, 1) for t in qkv)  # [count, heads, length, dim]
         out, _ = sdpa(module, q, k, v, None, is_causal=True, **kwargs)  # [count, length, heads, dim]
-        outs.append(out.reshape(1, count * length, *out.shape[2:]))
-    return (torch.cat(outs, 1) if len(outs) > 1 else outs[0]), None
+        outs.append(out.reshape(count * length, *out.shape[2:]))
+    return (torch.cat(outs) if len(outs) > 1 else outs[0])[None], None
 
 
 def _register() -> None:
