@@ -31,6 +31,7 @@ import torch
 MAIN = "trainer tokens/s: ours (FSDP2, packed) / TRL GRPOTrainer, ragged batch"
 PADDED = "trainer tokens/s: ours (FSDP2, padded micro-batches) / TRL GRPOTrainer, ragged batch"
 UNIFORM = "trainer tokens/s: ours (FSDP2, packed) / TRL GRPOTrainer, uniform batch (no padding)"
+MAIN_CPU = "trainer tokens per CPU second: ours (FSDP2, packed) / TRL GRPOTrainer, ragged batch"
 
 
 def spread(n: int, mean: int, frac: float, g: torch.Generator) -> list[int]:
@@ -52,8 +53,18 @@ def real_tokens(batch: dict[str, Any]) -> int:
     return sum(len(p) + len(c) for p, c in zip(batch["prompts"], batch["completions"]))
 
 
-def ours(model: torch.nn.Module, tok: Any, batch: dict[str, Any], steps: int, pack: bool = True) -> float:
-    """Seconds per optimizer step of the FSDP2 trainer (one gloo rank, the embedded default)."""
+def timed(fn: Any, steps: int) -> tuple[float, float]:
+    """(wall, process CPU) seconds per call of ``fn`` over ``steps`` calls: with one torch thread the CPU
+    time is the work itself, which other jobs on a shared machine disturb less than the wall time."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+
+
+def ours(model: torch.nn.Module, tok: Any, batch: dict[str, Any], steps: int,
+         pack: bool = True) -> tuple[float, float]:
+    """(wall, CPU) seconds per optimizer step of the FSDP2 trainer (one gloo rank, the embedded default)."""
     from miles_agent.config import AlgoConfig, TrainConfig
     from miles_agent.trainer import TrainBatch
     from miles_agent.trainers.fsdp2 import FSDP2Trainer
@@ -70,10 +81,7 @@ def ours(model: torch.nn.Module, tok: Any, batch: dict[str, Any], steps: int, pa
     trainer = FSDP2Trainer(model, tok, cfg, AlgoConfig())
     try:
         trainer.train_step(TrainBatch(trajs, advs))  # warm-up (allocator, autograd graph caches)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            trainer.train_step(TrainBatch(trajs, advs))
-        return (time.perf_counter() - t0) / steps
+        return timed(lambda: trainer.train_step(TrainBatch(trajs, advs)), steps)
     finally:
         trainer.close()
 
@@ -104,8 +112,8 @@ def trl_inputs(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor]:
             "num_items_in_batch": comp_mask.sum().float()}
 
 
-def trl(model: torch.nn.Module, tok: Any, batch: dict[str, Any], steps: int) -> float:
-    """Seconds per optimizer step of TRL's GRPO loss/backward/step on the same batch."""
+def trl(model: torch.nn.Module, tok: Any, batch: dict[str, Any], steps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per optimizer step of TRL's GRPO loss/backward/step on the same batch."""
     with tempfile.TemporaryDirectory() as out:
         trainer = trl_trainer(model, tok, len(batch["prompts"]), out)
         trainer.create_optimizer()
@@ -122,10 +130,7 @@ def trl(model: torch.nn.Module, tok: Any, batch: dict[str, Any], steps: int) -> 
             opt.zero_grad(set_to_none=True)
 
         step()  # warm-up
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - t0) / steps
+        return timed(step, steps)
 
 
 def scaling(model: torch.nn.Module, tok: Any, n: int, prompt_len: int, completion_len: int) -> list[dict[str, Any]]:
@@ -136,7 +141,7 @@ def scaling(model: torch.nn.Module, tok: Any, n: int, prompt_len: int, completio
     rows = []
     for axis, m, p, c in points:
         batch = make_batch(m, p, c, seed=1)
-        a, b = ours(copy.deepcopy(model), tok, batch, 1), trl(copy.deepcopy(model), tok, batch, 1)
+        a, b = ours(copy.deepcopy(model), tok, batch, 1)[0], trl(copy.deepcopy(model), tok, batch, 1)[0]
         rows.append({"axis": axis, "sequences": m, "mean_len": real_tokens(batch) / m,
                      "padded_len": max(map(len, batch["prompts"])) + max(map(len, batch["completions"])),
                      "tokens": real_tokens(batch), "ours_s": a, "trl_s": b})
@@ -155,22 +160,25 @@ def measure(repeats: int = 3, steps: int = 3, n: int = 64, prompt_len: int = 64,
     model, tok = build_tiny(arch, seed=0)
     ragged, uniform = make_batch(n, prompt_len, completion_len), make_batch(n, prompt_len, completion_len, ragged=False)
     tps: dict[str, list[float]] = {k: [] for k in ("ours", "ours_padded", "trl", "ours_uniform", "trl_uniform")}
-    ratios: dict[str, list[float]] = {MAIN: [], PADDED: [], UNIFORM: []}
+    cpu: dict[str, list[float]] = {k: [] for k in tps}
+    ratios: dict[str, list[float]] = {MAIN: [], PADDED: [], UNIFORM: [], MAIN_CPU: []}
     for _ in range(repeats):  # interleaved, so machine noise hits every side alike
-        run = {"ours": real_tokens(ragged) / ours(copy.deepcopy(model), tok, ragged, steps),
-               "trl": real_tokens(ragged) / trl(copy.deepcopy(model), tok, ragged, steps),
-               "ours_padded": real_tokens(ragged) / ours(copy.deepcopy(model), tok, ragged, steps, pack=False),
-               "ours_uniform": real_tokens(uniform) / ours(copy.deepcopy(model), tok, uniform, steps),
-               "trl_uniform": real_tokens(uniform) / trl(copy.deepcopy(model), tok, uniform, steps)}
-        for k, v in run.items():
-            tps[k].append(v)
-        ratios[MAIN].append(run["ours"] / run["trl"])
-        ratios[PADDED].append(run["ours_padded"] / run["trl"])
-        ratios[UNIFORM].append(run["ours_uniform"] / run["trl_uniform"])
+        sides = {"ours": (ragged, {}), "trl": (ragged, None), "ours_padded": (ragged, {"pack": False}),
+                 "ours_uniform": (uniform, {}), "trl_uniform": (uniform, None)}
+        for k, (b, kw) in sides.items():
+            wall, cpu_s = (trl(copy.deepcopy(model), tok, b, steps) if kw is None
+                           else ours(copy.deepcopy(model), tok, b, steps, **kw))
+            tps[k].append(real_tokens(b) / wall)
+            cpu[k].append(real_tokens(b) / cpu_s)
+        ratios[MAIN].append(tps["ours"][-1] / tps["trl"][-1])
+        ratios[PADDED].append(tps["ours_padded"][-1] / tps["trl"][-1])
+        ratios[UNIFORM].append(tps["ours_uniform"][-1] / tps["trl_uniform"][-1])
+        ratios[MAIN_CPU].append(cpu["ours"][-1] / cpu["trl"][-1])
     padded = n * (max(map(len, ragged["prompts"])) + max(map(len, ragged["completions"])))
     detail = {"arch": arch, "batch": f"{n} sequences, {real_tokens(ragged)} real tokens ({padded} in TRL's padded "
                                       f"layout); uniform: {n} x ({prompt_len} + {completion_len})",
-              "steps_per_repeat": steps, **{f"{k}_tokens_per_s": v for k, v in tps.items()}}
+              "steps_per_repeat": steps, **{f"{k}_tokens_per_s": v for k, v in tps.items()},
+              **{f"{k}_tokens_per_cpu_s": v for k, v in cpu.items()}}
     if with_scaling or (with_scaling is None and n >= 16):
         detail["scaling"] = scaling(model, tok, n, prompt_len, completion_len)
     return {"ratios": ratios, "detail": detail}
@@ -182,8 +190,9 @@ def print_report(out: dict[str, Any]) -> None:
     d = out["detail"]
     print(f"{d['arch']}, {d['batch']}")
     for k in ("ours", "ours_padded", "trl", "ours_uniform", "trl_uniform"):
-        v = d[f"{k}_tokens_per_s"]
-        print(f"  {k:>13} tokens/s: min {min(v):7.0f}  median {statistics.median(v):7.0f}  max {max(v):7.0f}")
+        v, c = d[f"{k}_tokens_per_s"], d[f"{k}_tokens_per_cpu_s"]
+        print(f"  {k:>13} tokens/s: min {min(v):7.0f}  median {statistics.median(v):7.0f}  max {max(v):7.0f}"
+              f"   per CPU s: median {statistics.median(c):7.0f}")
     if "scaling" in d:
         print("scaling (ragged batches, 1 step each side):")
         print(f"  {'axis':>7} {'seqs':>5} {'mean len':>8} {'TRL len':>7} {'tokens':>7} {'ours s':>7} {'TRL s':>7} "

@@ -117,8 +117,10 @@ class PolicyTrainer(ABC):
         """AdamW over ``model``, the schedule checked (a bad one fails here, not at the first step), and
         the colocation offload of both models and the optimizer state (``offload``)."""
         t = self.train_cfg
+        # foreach: torch picks the per-tensor loop for DTensor parameters (FSDP2), a dozen dispatches per
+        # parameter (14 ms against 4 ms a step on the tiny model); the update is bitwise the same
         self.optimizer = torch.optim.AdamW(self._optimized_params(), lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps,
-                                           weight_decay=t.weight_decay)
+                                           weight_decay=t.weight_decay, foreach=True)
         lr_at(t, 0)
         self.memory = DeviceOffload(lambda: (self.model, self.ref_model), self.optimizer, self.device)
 
