@@ -164,6 +164,7 @@ class Execution:
         self.proc: SpawnedProcess | None = None
         self._pidfd: int | None = None  # our child (the outer bwrap, or bash in plain mode)
         self._init_pid: int | None = None  # bwrap: the namespace init, as a host pid
+        self._init_named = False  # bwrap's status named it (as its own pid namespace sees it)
         self._init_pidfd: int | None = None
         self._status = b""
         self._status_fd: int | None = None
@@ -265,7 +266,7 @@ class Execution:
         self._parse_init()
 
     def _parse_init(self) -> None:
-        if self._init_pid is not None:
+        if self._init_named:
             return
         for line in self._status.decode(errors="replace").splitlines():
             try:
@@ -273,8 +274,12 @@ class Execution:
             except ValueError:
                 continue
             if "child-pid" in info:
-                self._init_pid = int(info["child-pid"])
-                self._hold_init(str(info.get("pid-namespace", "")))
+                self._init_named = True
+                pid_ns = str(info.get("pid-namespace", ""))
+                child = self.proc.pid if self.proc is not None else None
+                self._init_pid = _host_pid(child, int(info["child-pid"]), pid_ns)
+                if self._init_pid is not None:
+                    self._hold_init(pid_ns)
                 self._release_init()
                 return
 
@@ -437,6 +442,46 @@ def _readable(fd: int) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(0))
+
+
+def _host_pid(child: int | None, ns_pid: int, pid_ns: str) -> int | None:
+    """The host pid of bwrap's namespace init. bwrap names it as bwrap's own pid namespace sees it --
+    the sandbox's, nested in ours (see ``_local_storage``) -- so it is looked for among our child's
+    descendants (bwrap's child; with nsenter, which forks into the sandbox's pid namespace, its grandchild):
+    the process in pid namespace ``pid_ns`` whose pid one level up is ``ns_pid``. Where /proc lists no
+    children (no CONFIG_PROC_CHILDREN), every process is looked at."""
+    frontier = [child] if child is not None else []
+    for _ in range(3):
+        below = [c for pid in frontier for c in _children(pid)]
+        for pid in below:
+            if _is_init(pid, ns_pid, pid_ns):
+                return pid
+        frontier = below
+    if pid_ns and not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        for name in os.listdir("/proc"):
+            if name.isdigit() and _is_init(int(name), ns_pid, pid_ns):
+                return int(name)
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _is_init(pid: int, ns_pid: int, pid_ns: str) -> bool:
+    """Whether ``pid`` is pid 1 of its namespace and ``ns_pid`` in its parent's (and in ``pid_ns``)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+        if len(nspid) < 2 or nspid[-1] != "1" or nspid[-2] != str(ns_pid):
+            return False
+        return not pid_ns or os.readlink(f"/proc/{pid}/ns/pid") == f"pid:[{pid_ns}]"
+    except OSError:
+        return False
 
 
 def _pipe_with(data: bytes) -> int:

@@ -7,7 +7,9 @@ without an exec of a helper (sh, setpriv, nsenter, prlimit) on every command:
   its session keyring whatever its uid, so a child of the trainer's thread could read its login's keys;
 - the command's pids cgroup (v1 moves single threads): the thread steps in, forks, steps out;
 - the sandbox's uid/gid (raw per-thread ``setres[ug]id``, see `_as_ids`), not Popen(user=), which forks;
-- the storage's mount namespace (``setns``, root callers), so no ``nsenter`` is needed.
+- the storage's mount namespace (``setns``, root callers), so no ``nsenter`` is needed;
+- the sandbox's pid namespace (``setns``, root callers; ``unshare`` for the holder that is its init), so
+  every process of a sandbox lives in one pid namespace that dies with its holder (see ``_local_storage``).
 `set_limits` lowers rlimits as their owner where root lacks CAP_SYS_RESOURCE (on the caller's thread). The thread
 lives as long as the process: a child's ``PR_SET_PDEATHSIG`` (the storage holder's) fires when the
 thread that spawned it exits.
@@ -75,6 +77,7 @@ class SpawnAs:
     uid: int | None = None
     gid: int | None = None
     mount_ns_fd: int | None = None  # born in this mount namespace (root callers: no nsenter exec)
+    pid_ns_fd: int | None = None  # born in this pid namespace: the sandbox's, whose init is its holder
 
 
 def _move_thread(tasks_file: str) -> None:
@@ -108,15 +111,51 @@ def _in_mount_ns(fd: int | None) -> Iterator[None]:
             raise OSError(ctypes.get_errno(), "setns back to the spawner's mount namespace")
 
 
+_CLONE_NEWPID = 0x20000000
+_home_pid_ns: tuple[int, int] | None = None  # (process id, fd): the spawner thread's own pid namespace
+
+
+def _home_pid_ns_fd() -> int:
+    global _home_pid_ns
+    if _home_pid_ns is None or _home_pid_ns[0] != os.getpid():  # a forked child has a spawner of its own
+        _home_pid_ns = (os.getpid(), os.open("/proc/thread-self/ns/pid", os.O_RDONLY | os.O_CLOEXEC))
+    return _home_pid_ns[1]
+
+
+@contextlib.contextmanager
+def _in_pid_ns(fd: int | None, new: bool = False) -> Iterator[None]:
+    """The spawner thread's next child born in pid namespace ``fd`` (``new``: in a fresh one, as its init),
+    then back. setns/unshare(CLONE_NEWPID) change only whose pid namespace the thread's children get (the
+    thread itself stays where it is), which root may do on one thread of many; a pid namespace's init
+    takes every process of it down when it dies, those of nested namespaces (each command's) included."""
+    if fd is None and not new:
+        yield
+        return
+    home = _home_pid_ns_fd()
+    if new:
+        if _libc.unshare(_CLONE_NEWPID) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(pid namespace)")
+    elif _libc.setns(fd, _CLONE_NEWPID) != 0:
+        raise OSError(ctypes.get_errno(), "setns(pid namespace)")
+    try:
+        yield
+    finally:
+        if _libc.setns(home, _CLONE_NEWPID) != 0:  # never leave the spawner's children elsewhere
+            raise OSError(ctypes.get_errno(), "setns back to the spawner's pid namespace")
+
+
 def _spawn_now(argv: Sequence[str], env: dict[str, str], cwd: str, stdout: int | None, stderr: int | None,
-               pass_fds: Sequence[int], spawn_as: SpawnAs) -> subprocess.Popen:
+               pass_fds: Sequence[int], spawn_as: SpawnAs, stdin: int | None = None,
+               new_pid_ns: bool = False) -> subprocess.Popen:
     join_fresh_session_keyring()
     if spawn_as.cgroup_tasks and spawn_as.home_tasks:
         _move_thread(spawn_as.cgroup_tasks)
     try:
-        with _in_mount_ns(spawn_as.mount_ns_fd), _as_ids(spawn_as.uid, spawn_as.gid):
-            return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env,
-                                    cwd=cwd, pass_fds=tuple(pass_fds), start_new_session=True, close_fds=True)
+        with (_in_mount_ns(spawn_as.mount_ns_fd), _in_pid_ns(spawn_as.pid_ns_fd, new_pid_ns),
+              _as_ids(spawn_as.uid, spawn_as.gid)):
+            return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL if stdin is None else stdin, stdout=stdout,
+                                    stderr=stderr, env=env, cwd=cwd, pass_fds=tuple(pass_fds),
+                                    start_new_session=True, close_fds=True)
     finally:
         if spawn_as.cgroup_tasks and spawn_as.home_tasks:
             _move_thread(spawn_as.home_tasks)
@@ -241,7 +280,10 @@ async def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: str, stdout: i
 
 
 def spawn_sync(argv: Sequence[str], *, env: dict[str, str], cwd: str = "/", stdout: int | None = None,
-               stderr: int | None = None, pass_fds: Sequence[int] = ()) -> subprocess.Popen:
-    """`spawn` for a caller in a worker thread (the storage holder: started once per sandbox, with no
-    identity of its own to take on -- its argv drops the ids itself)."""
-    return _spawner().submit(_spawn_now, argv, env, cwd, stdout, stderr, pass_fds, SpawnAs()).result()
+               stderr: int | None = None, stdin: int | None = None, pass_fds: Sequence[int] = (),
+               new_pid_ns: bool = False, spawn_as: SpawnAs = SpawnAs()) -> subprocess.Popen:
+    """`spawn` for a caller in a worker thread (the storage holder: started once per sandbox, its argv
+    dropping the ids itself; its /proc's mount). ``new_pid_ns`` (root callers): the child is the init of
+    a fresh pid namespace."""
+    return _spawner().submit(_spawn_now, argv, env, cwd, stdout, stderr, pass_fds, spawn_as, stdin,
+                             new_pid_ns).result()

@@ -268,9 +268,10 @@ class LocalSandbox(Sandbox):
                                "LocalSandbox(isolation='none') to run commands without isolation") from None
 
     def _launch_argv(self) -> list[str]:
-        """What turns a process of ours into one of the sandbox: its identity, then its storage namespace."""
+        """What turns a process of ours into one of the sandbox: its pid namespace (root callers, while still
+        root), its identity, then its storage namespaces."""
         assert self._storage is not None
-        return [*self._identity.drop_argv, *self._storage.enter_argv()]
+        return [*self._storage.pid_enter_argv(), *self._identity.drop_argv, *self._storage.enter_argv()]
 
     def _agent_layout(self) -> dict:
         """`bwrap_options` keywords while the agent acts: its storage is the sandbox's root filesystem
@@ -400,15 +401,19 @@ class LocalSandbox(Sandbox):
         joins the cgroup first, then ``setpriv``."""
         ident = self._identity if self.isolation == "bwrap" else HostIdentity(os.getuid(), os.getgid())
         user: dict = {"uid": ident.uid, "gid": ident.gid} if ident.switched else {}
+        # Root callers' commands are born in the sandbox's pid namespace (its holder the init: nothing of the
+        # sandbox outlives the holder, nor the holder its owner; see _local_storage); ordinary callers' enter
+        # it through nsenter (`enter_argv`).
+        pid_ns = {"pid_ns_fd": self._storage.pid_ns_fd} if ident.switched and self._storage is not None else {}
         if ident.switched and self._storage is not None:
             user["mount_ns_fd"] = self._storage.mount_ns_fd
         if cgroup is None:
-            return [], SpawnAs(**user)
+            return [], SpawnAs(**user, **pid_ns)
         if cgroup.threads_movable:
             return [], SpawnAs(cgroup_tasks=os.path.join(cgroup.path, "tasks"),
-                               home_tasks=os.path.join(cgroup.parent, "tasks"), **user)
+                               home_tasks=os.path.join(cgroup.parent, "tasks"), **user, **pid_ns)
         enter = self._storage.enter_argv() if self._storage is not None else []
-        return ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file, *ident.drop_argv, *enter], SpawnAs()
+        return ["/bin/sh", "-c", CGROUP_JOIN, cgroup.procs_file, *ident.drop_argv, *enter], SpawnAs(**pid_ns)
 
     def _inner_argv(self, command: str, cwd: str | None) -> list[str]:
         """``bash -c command``, first changing to ``cwd`` (relative to the workdir) when given."""
