@@ -133,15 +133,17 @@ def trl(model: torch.nn.Module, tok: Any, batch: dict[str, Any], steps: int) -> 
         return timed(step, steps)
 
 
-def scaling(model: torch.nn.Module, tok: Any, n: int, prompt_len: int, completion_len: int) -> list[dict[str, Any]]:
-    """Step time (1 step after a warm-up, each side) against batch size, then against mean completion length."""
+def scaling(model: torch.nn.Module, tok: Any, n: int, prompt_len: int, completion_len: int,
+            steps: int = 2) -> list[dict[str, Any]]:
+    """Step time (mean of ``steps`` after a warm-up, each side) against batch size, then against mean
+    completion length."""
     points = [("batch", m, prompt_len, completion_len) for m in (max(1, n // 4), max(1, n // 2), n)]
     points += [("seq len", max(1, n // 2), prompt_len, c) for c in (max(2, completion_len // 2), completion_len,
                                                                        2 * completion_len)]
     rows = []
     for axis, m, p, c in points:
         batch = make_batch(m, p, c, seed=1)
-        a, b = ours(copy.deepcopy(model), tok, batch, 1)[0], trl(copy.deepcopy(model), tok, batch, 1)[0]
+        a, b = ours(copy.deepcopy(model), tok, batch, steps)[0], trl(copy.deepcopy(model), tok, batch, steps)[0]
         rows.append({"axis": axis, "sequences": m, "mean_len": real_tokens(batch) / m,
                      "padded_len": max(map(len, batch["prompts"])) + max(map(len, batch["completions"])),
                      "tokens": real_tokens(batch), "ours_s": a, "trl_s": b})
@@ -180,7 +182,7 @@ def measure(repeats: int = 3, steps: int = 3, n: int = 64, prompt_len: int = 64,
               "steps_per_repeat": steps, **{f"{k}_tokens_per_s": v for k, v in tps.items()},
               **{f"{k}_tokens_per_cpu_s": v for k, v in cpu.items()}}
     if with_scaling or (with_scaling is None and n >= 16):
-        detail["scaling"] = scaling(model, tok, n, prompt_len, completion_len)
+        detail["scaling"] = scaling(model, tok, n, prompt_len, completion_len, steps)
     return {"ratios": ratios, "detail": detail}
 
 
@@ -194,7 +196,7 @@ def print_report(out: dict[str, Any]) -> None:
         print(f"  {k:>13} tokens/s: min {min(v):7.0f}  median {statistics.median(v):7.0f}  max {max(v):7.0f}"
               f"   per CPU s: median {statistics.median(c):7.0f}")
     if "scaling" in d:
-        print("scaling (ragged batches, 1 step each side):")
+        print(f"scaling (ragged batches, mean of {d['steps_per_repeat']} steps each side):")
         print(f"  {'axis':>7} {'seqs':>5} {'mean len':>8} {'TRL len':>7} {'tokens':>7} {'ours s':>7} {'TRL s':>7} "
               f"{'ours tok/s':>10} {'TRL tok/s':>9} {'ratio':>6}")
         for r in d["scaling"]:

@@ -50,7 +50,7 @@ def logprobs_and_grads(trainer: FSDP2Trainer, trajs: list[Trajectory]) -> tuple[
     for _ in trainer._backward_micro_batches(step, False):
         pass
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-             for n, p in trainer.model.named_parameters()}
+             for n, p in trainer.model.named_parameters() if p.grad is not None}
     return logps, grads
 
 
@@ -186,3 +186,21 @@ def test_packing_refuses_true_on_policy_and_falls_back_where_varlen_does_not_app
             n, start = len(trajs[i].tokens), sum(mb.packed_lengths[:b])
             alone = model(input_ids=torch.tensor([trajs[i].tokens])).logits[0]
             assert torch.allclose(packed[start:start + n], alone, atol=1e-5)
+
+
+def test_lora_adapters_train_the_same_packed() -> None:
+    pytest.importorskip("peft")
+    from miles_agent.config import AlgoConfig, TrainConfig
+    from miles_agent.trainers.lora_options import LoraSection
+
+    trajs, runs = ragged_trajectories(), []
+    for pack_sequences in (False, True):
+        model, tok = build_tiny("tiny-qwen3", seed=0)
+        torch.manual_seed(0)  # the adapters' random init
+        trainer = FSDP2Trainer(model, tok, TrainConfig(lr=1e-3, micro_batch_tokens=48, pack_sequences=pack_sequences),
+                               AlgoConfig(), lora=LoraSection(rank=4))
+        assert varlen.installed(trainer.model) == pack_sequences
+        runs.append(logprobs_and_grads(trainer, trajs))
+        trainer.close()
+    assert runs[0][1] and all(".lora_" in k for k in runs[0][1])
+    assert_same(runs[1], runs[0])
