@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -307,11 +308,39 @@ def _usable_parent(parent: str) -> bool:
         os.rmdir(probe)
 
 
+STALE_CGROUP_S = 300.0  # an empty command cgroup this old belongs to no live command
+
+
+def remove_stale_cgroups(parent: str, older_than_s: float = STALE_CGROUP_S) -> int:
+    """Remove the empty command cgroups (``miles-agent-*``) a killed owner left under ``parent`` (the
+    owner that removes each at its command's end did not live to); how many went. The kernel refuses
+    to remove a cgroup that holds a process, so a live command's is never touched; the age keeps it off
+    one made a moment ago whose command is yet to join it."""
+    removed, now = 0, time.time()
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith("miles-agent-")]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            if now - os.stat(path).st_mtime < older_than_s:
+                continue
+            os.rmdir(path)
+            removed += 1
+        except OSError:  # busy (a live command's), gone already, not ours to remove
+            continue
+    return removed
+
+
 def create_pids_cgroup(name: str, max_pids: int) -> PidsCgroup | None:
-    """A fresh cgroup limited to ``max_pids`` tasks, or None where no pids controller is writable."""
+    """A fresh cgroup limited to ``max_pids`` tasks, or None where no pids controller is writable. The
+    first call of a process also removes what killed owners left (`remove_stale_cgroups`)."""
     global _cgroup_parent
     if _cgroup_parent is False:
         _cgroup_parent = next((p for p in _own_cgroup_dirs() if _usable_parent(p)), None)
+        if _cgroup_parent:
+            remove_stale_cgroups(_cgroup_parent)
     if not _cgroup_parent:
         return None
     path = os.path.join(str(_cgroup_parent), name)

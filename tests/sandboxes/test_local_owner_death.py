@@ -125,3 +125,35 @@ def test_owner_killed_leaves_no_sandbox_process(world_tmp, marker, caller, momen
                 os.kill(int(line.split(":")[0]), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_empty_cgroups_a_killed_owner_left_are_removed_and_live_ones_kept():
+    """An owner killed mid-command leaves that command's (empty) pids cgroup; the next process to make one
+    removes those older than a few minutes, never one that holds a process."""
+    from miles_agent.sandboxes import _local_isolation as iso
+
+    stale = iso.create_pids_cgroup(f"miles-agent-test-stale-{os.getpid()}", 8)
+    if stale is None:
+        pytest.skip("no writable pids cgroup here (root, cgroup v1 or delegated v2)")
+    busy = iso.create_pids_cgroup(f"miles-agent-test-busy-{os.getpid()}", 8)
+    assert busy is not None
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(busy.procs_file, "w") as f:
+            f.write(str(sleeper.pid))
+        old = time.time() - 2 * iso.STALE_CGROUP_S
+        for cg in (stale, busy):
+            os.utime(cg.path, (old, old))
+        fresh = iso.create_pids_cgroup(f"miles-agent-test-fresh-{os.getpid()}", 8)
+        iso.remove_stale_cgroups(stale.parent)
+        assert not os.path.exists(stale.path)
+        assert os.path.exists(busy.path) and sleeper.pid in busy.pids()
+        assert fresh is not None and os.path.exists(fresh.path)
+        fresh.remove()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        deadline = time.monotonic() + 5
+        while not busy.remove() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stale.remove()
