@@ -100,8 +100,9 @@ def test_owner_killed_leaves_no_sandbox_process(world_tmp, marker, caller, momen
     os.chmod(root, 0o777)  # the user variant's sandboxes go here too
     as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] \
         if caller == "user" and IS_ROOT else []
+    env = {**os.environ, "TMPDIR": str(root)}  # what a killed owner leaves on disk (its staged /etc) goes too
     owner = subprocess.Popen([*as_user, sys.executable, "-c", OWNER, marker, str(root), moment], cwd="/",
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = owner.stdout.readline()
         if line.strip() != "ready":
