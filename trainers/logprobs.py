@@ -40,6 +40,52 @@ def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temp
     return logp, ent
 
 
+class _ChunkedLogp(torch.autograd.Function):
+    """Chunked logprobs (and a detached entropy) with a hand-written backward: per chunk it recomputes the
+    logits once and forms ``d logp / d logits = onehot - softmax`` directly, so backward neither rebuilds
+    the chunk's autograd graph nor recomputes the entropy (what ``checkpoint`` of ``_chunk`` would do)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,  # noqa: ANN001
+                temperature: float, step: int, entropy: bool, suppressed: Tensor | None) -> tuple[Tensor, Tensor]:
+        outs = [_chunk(hidden[s:s + step], weight, bias, targets[s:s + step], temperature, entropy, False,
+                       suppressed) for s in range(0, max(hidden.shape[0], 1), step)]
+        logp = torch.cat([o[0] for o in outs])
+        ent = torch.cat([o[1] for o in outs]) if entropy else logp.new_zeros(())
+        ctx.save_for_backward(hidden, weight, bias, targets, suppressed)
+        ctx.temperature, ctx.step = temperature, step
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, _grad_ent: Tensor) -> tuple:  # noqa: ANN001
+        hidden, weight, bias, targets, suppressed = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = torch.promote_types(weight.dtype, torch.float32)  # weight / bias gradients summed over chunks
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=acc) if need_b else None
+        for s in range(0, hidden.shape[0], ctx.step):
+            h, t, g = hidden[s:s + ctx.step], targets[s:s + ctx.step], grad_logp[s:s + ctx.step, None]
+            logits = F.linear(h, weight, bias)
+            z = mask_suppressed(logits.to(torch.promote_types(logits.dtype, torch.float32)) / ctx.temperature,
+                                suppressed)
+            g = g.to(z.dtype)
+            dz = torch.softmax(z, -1).mul_(-g).scatter_add_(-1, t[:, None], g).div_(ctx.temperature)
+            if suppressed is not None and len(suppressed):
+                dz.index_fill_(-1, suppressed, 0.0)  # masked columns: constant logits, no gradient
+            d = dz.to(logits.dtype)
+            if need_h:
+                grad_h[s:s + ctx.step] = d @ weight
+            if need_w:
+                grad_w.addmm_(d.T.to(acc), h.to(acc))
+            if need_b:
+                grad_b.add_(d.to(acc).sum(0))
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
 def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
                   chunk: int, entropy: bool = False, entropy_grad: bool = False,
                   suppressed: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -49,6 +95,9 @@ def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: 
     n = hidden.shape[0]
     step = n if chunk <= 0 else chunk
     recompute = torch.is_grad_enabled() and chunk > 0 and (hidden.requires_grad or weight.requires_grad)
+    if recompute and not entropy_grad:  # the training forward: a hand-written chunked backward
+        logp, ent = _ChunkedLogp.apply(hidden, weight, bias, targets, temperature, step, entropy, suppressed)
+        return logp, ent if entropy else None
     logps, ents = [], []
     for start in range(0, max(n, 1), max(step, 1)):
         args = (hidden[start:start + step], weight, bias, targets[start:start + step], temperature, entropy,

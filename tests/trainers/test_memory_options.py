@@ -98,3 +98,22 @@ def test_the_memory_options_compose_with_bf16_mixed_precision() -> None:
     assert all(abs(x - y) < 3e-2 for ra, rb in zip(a[0], b[0]) for x, y in zip(ra, rb))
     ga, gb = (torch.cat([g[k].reshape(-1) for k in sorted(g)]) for g in (a[1], b[1]))
     assert float(torch.nn.functional.cosine_similarity(ga, gb, dim=0)) > 0.99
+
+
+def test_chunked_head_backward_with_bias_suppressed_ids_and_frozen_weight() -> None:
+    """The hand-written chunked backward (training forwards) against autograd over the whole head."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(29, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 40, (29,), generator=g)
+    coef = torch.randn(29, generator=g, dtype=torch.float64)
+    suppressed = torch.tensor([41, 45])
+    for weight_grad in (True, False):
+        weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=weight_grad)
+        inputs = (hidden, weight, bias) if weight_grad else (hidden, bias)
+        out = []
+        for chunk in (0, 6):
+            logp, ent = head_logprobs(hidden, weight, bias, targets, 1.3, chunk, entropy=True, suppressed=suppressed)
+            out.append((logp.detach(), ent, *torch.autograd.grad((logp * coef).sum(), inputs)))
+        for a, b in zip(*out):
+            assert torch.allclose(a, b, atol=1e-12, rtol=0)
