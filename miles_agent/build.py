@@ -63,7 +63,9 @@ def check_choices(cfg: Config) -> None:
         cluster.check(cfg)
 
 
-def build_env(cfg: Config) -> Environment:
+def build_env(cfg: Config, *, model_plays: bool = True) -> Environment:
+    """The run's environment; ``model_plays=False`` when no model policy plays it (eval --policy oracle), so
+    the built-in warm start's task set (`warm_start_options`) does not apply."""
     if cfg.env.mix or cfg.env.name == "mix":  # several environments: envs/mix builds each through build_env
         return registry.load("envs", "mix", key="env.mix").from_config(cfg)
     cls = registry.load("envs", cfg.env.name, key="env.name")
@@ -72,11 +74,18 @@ def build_env(cfg: Config) -> Environment:
         if not Path(cfg.env.tasks).is_dir():
             raise UserError(f"--tasks {cfg.env.tasks} is not a folder; point it at a folder of task directories")
         kwargs["tasks_dir"] = cfg.env.tasks
-    kwargs.update(env_options(cfg.env.name, cls, cfg.env.options))
+    kwargs.update(env_options(cfg.env.name, cls, {**(warm_start_options(cfg, cls) if model_plays else {}), **cfg.env.options}))
     try:
         return cls(**kwargs)
     except TypeError as e:
         raise UserError(f"environment {cfg.env.name!r} cannot be built with {kwargs or 'no arguments'} ({e})") from None
+
+
+def warm_start_options(cfg: Config, cls: Any) -> dict[str, Any]:
+    """The env options its built-in warm start was made with (its ``warm_start_options``), when the run starts
+    from that warm start and no --tasks folder is given: the policy plays the tasks it was trained for."""
+    builtin = cfg.model.warm_start == "builtin" and not cfg.model.hf_checkpoint and not cfg.env.tasks
+    return dict(getattr(cls, "warm_start_options", None) or {}) if builtin else {}
 
 
 def harness_name(cfg: Config, env: Environment | type[Environment]) -> str:

@@ -262,7 +262,8 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     from miles_agent.config import load_config
     from miles_agent.warmstart import build_warm_start, cache_path
 
-    env = build_env(load_config(None, {"env.name": args.env}))
+    # As a run from the built-in warm start builds it: with the env options it is made for (warm_start_options).
+    env = build_env(load_config(None, {"env.name": args.env, "model.warm_start": "builtin"}))
     out = Path(args.out) if args.out else cache_path(env, args.arch)
     metrics = build_warm_start(env, args.arch, out)
     print(f"warm start for {env.name} ({args.arch}) written to {out}; final SFT loss {metrics['loss']:.4f}")

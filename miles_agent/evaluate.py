@@ -43,7 +43,7 @@ class EvalReport:
 
 async def evaluate(cfg: Config, policy: str = "model", split: str = "eval", limit: int | None = None,
                    job_dir: str | Path | None = None) -> EvalReport:
-    env = build_env(cfg)
+    env = build_env(cfg, model_plays=policy == "model")
     if policy == "oracle" and getattr(env, "oracle_source", None) == "":  # declared: nothing to play
         raise UserError(f"--policy oracle on {env.name}: the ecosystem publishes no reference solution to play; "
                         "use --policy model")

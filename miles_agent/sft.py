@@ -36,10 +36,10 @@ TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
 # -- data ------------------------------------------------------------------------------------------
 
 def demonstrations(env: Environment, harness: Harness, tokenizer: Any, *, split: str = "sft",
-                   tool_rate: float = 1.0, seed: int = 0, limit: int = 0, concurrency: int = 256
-                   ) -> list[Trajectory]:
+                   tool_rate: float = 1.0, seed: int = 0, limit: int = 0, concurrency: int = 256,
+                   make_sandbox: Callable[[], Any] | None = None) -> list[Trajectory]:
     """The env's demonstrator playing the tasks of ``split`` (the first ``limit``; 0 = all) once
-    each through ``harness`` (TITO data)."""
+    each through ``harness`` (TITO data), in sandboxes from ``make_sandbox`` when the env needs them."""
     from miles_agent.rollout.episodes import EpisodeRunner, collect
 
     if not hasattr(env, "demonstrator"):
@@ -47,7 +47,7 @@ def demonstrations(env: Environment, harness: Harness, tokenizer: Any, *, split:
                         "JSONL file of trajectories (one Trajectory.to_dict() per line)")
     tasks = split_tasks(env, split, "sft.split")[:limit or None]
     policy = env.demonstrator(tokenizer, tool_rate=tool_rate, seed=seed)
-    trajs = asyncio.run(collect(EpisodeRunner(env, harness), tasks, 1, policy, concurrency=concurrency))
+    trajs = asyncio.run(collect(EpisodeRunner(env, harness, make_sandbox=make_sandbox), tasks, 1, policy, concurrency=concurrency))
     if trajs and not (kept := [t for t in trajs if t.status in TRAINABLE and any(t.loss_mask)]):
         why = sorted({str(t.metadata.get("error") or t.status) for t in trajs})
         raise UserError(f"environment {env.name!r}: none of its demonstrator's {len(trajs)} episodes can be trained on "

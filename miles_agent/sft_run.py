@@ -19,10 +19,11 @@ from miles_agent.types import Trajectory
 def load_data(cfg: Config, env: Environment, tokenizer: Any, vocab_size: int) -> list[Trajectory]:
     """The trajectories ``cfg.sft`` names (see the module docstring)."""
     if cfg.sft.data == "demonstrator":
-        from miles_agent.build import build_harness
+        from miles_agent.build import build_harness, env_sandboxes
 
         return demonstrations(env, build_harness(cfg, env, tokenizer), tokenizer, split=cfg.sft.split,
-                              tool_rate=cfg.sft.tool_rate, seed=cfg.run.seed, limit=cfg.sft.max_examples)
+                              tool_rate=cfg.sft.tool_rate, seed=cfg.run.seed, limit=cfg.sft.max_examples,
+                              make_sandbox=env_sandboxes(cfg, env))
     return read_trajectories(cfg.sft.data, vocab_size, limit=cfg.sft.max_examples)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_agent import registry
-from miles_agent.build import DEFAULT_HARNESS
+from miles_agent.build import DEFAULT_HARNESS, sandbox_factory
 from miles_agent.config import AlgoConfig, TrainConfig
 from miles_agent.engine import SamplingParams
 from miles_agent.environment import Environment, HarnessLimits
@@ -65,7 +65,7 @@ class SFTStage:
 DEFAULT_STAGES = (SFTStage(steps=400, tool_rate=1.0), SFTStage(steps=60, tool_rate=0.3))
 
 
-def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SFTStage, ...] = DEFAULT_STAGES,
+def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SFTStage, ...] | None = None,
                      batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
                      progress: bool = True) -> dict[str, float]:
     """SFT a fresh tiny model on the environment's demonstrator, stage by stage, one cosine schedule
@@ -77,6 +77,9 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SF
     if not hasattr(env, "demonstrator"):
         raise UserError(f"environment {env.name!r} ships no warm start (no demonstrator); "
                         "pass --hf-checkpoint DIR with a model to start from")
+    # An env may set its own, as SFTStages or (steps, tool_rate) pairs (an env module need not import this one).
+    stages = tuple(s if isinstance(s, SFTStage) else SFTStage(*s)
+                   for s in stages or getattr(env, "warm_start_stages", DEFAULT_STAGES))
     model, tokenizer = build_tiny(arch, seed=seed)
     total = sum(stage.steps for stage in stages)
     schedule = TrainConfig(lr=lr, lr_schedule="cosine", lr_warmup_steps=20, lr_decay_steps=total,
@@ -100,9 +103,15 @@ def build_warm_start(env: Environment, arch: str, out: Path, *, stages: tuple[SF
 
 
 def _demonstrations(env: Environment, tokenizer: Any, stage: SFTStage, seed: int) -> list[Any]:
-    """The demonstrator's episodes on the env's "sft" split, played through the real harness (TITO data)."""
-    harness = registry.load("harnesses", DEFAULT_HARNESS)(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
-    return demonstrations(env, harness, tokenizer, split="sft", tool_rate=stage.tool_rate, seed=seed)
+    """The demonstrator's episodes on the env's "sft" split, played through the env's own harness (TITO
+    data) -- in its sandbox when its tasks need one (the backend it was built with, else the local one)."""
+    name = getattr(env, "default_harness", DEFAULT_HARNESS)
+    harness = registry.load("harnesses", name)(tokenizer, HarnessLimits(), SamplingParams(max_new_tokens=128))
+    make_sandbox = None
+    if getattr(env, "needs_sandbox", False):
+        make_sandbox = sandbox_factory(getattr(env, "sandbox", "local"), getattr(env, "sandbox_options", None))
+    return demonstrations(env, harness, tokenizer, split="sft", tool_rate=stage.tool_rate, seed=seed,
+                          make_sandbox=make_sandbox)
 
 
 def _bar(total: int, enabled: bool) -> Any:

@@ -295,6 +295,9 @@ class TerminalBenchOptions:
     verifier_safe_path: bool = True
     command_timeout_s: float = 60.0  # one bash call's limit (the task's [agent] timeout bounds the sum)
     max_output_chars: int = 8000  # of a command's output shown to the agent (the middle is cut)
+    # Which tasks without --tasks: "shipped" (the 24 hand-written ones) or "starter" (the generated family a
+    # tiny model learns on, envs/terminal_bench/starter.py; the built-in warm start's, see warm_start_options).
+    family: str = "shipped"
 
 
 class TerminalBenchEnv(Environment):
@@ -307,17 +310,28 @@ class TerminalBenchEnv(Environment):
     env_keys: ClassVar[tuple[str, ...]] = ("sandbox", "sandbox_options")  # which backend runs the tasks
     options_type: ClassVar[type] = TerminalBenchOptions
     options_docs: ClassVar[str] = "docs/harbor.md"
+    # The built-in warm start (model.warm_start=builtin) is made on the starter family, so a run that starts
+    # from it plays that family unless env.options or --tasks say otherwise (miles_agent/build.py).
+    warm_start_options: ClassVar[dict[str, Any]] = {"family": "starter"}
+    # (steps, tool_rate): the kinds' commands are learnt in ~150 SFT steps (measured); a short lazy stage
+    # (the demonstrator acts 30% of the time) leaves a policy that often claims to be done without acting.
+    warm_start_stages: ClassVar[tuple[Any, ...]] = ((200, 1.0), (40, 0.3))
 
     def __init__(self, tasks_dir: str | Path | None = None, *, sandbox: str = "local",
                  sandbox_options: dict[str, Any] | None = None,
                  command_timeout_s: float = 60.0, max_output_chars: int = 8000,
-                 verifier_toolchain: str | Path | None = "auto", verifier_safe_path: bool = True) -> None:
+                 verifier_toolchain: str | Path | None = "auto", verifier_safe_path: bool = True,
+                 family: str = "shipped") -> None:
         """``sandbox`` names the configured backend: with "local", tasks that need their own image are
         left out of `tasks` (see `excluded`) because running them on the host would be wrong; with
         "auto", only when no container engine is reachable (``sandbox_options``: auto's options).
         ``verifier_toolchain``: the offline verifier toolchain (uv + a wheel cache) the verifier gets: a
         prepared folder, "auto" (the default folder when prepared) or "none"."""
-        self.tasks_dir = Path(tasks_dir) if tasks_dir else SHIPPED_TASKS
+        if tasks_dir and family != "shipped":
+            raise UserError(f"terminal-bench: --tasks {tasks_dir} and env.options.family={family} both name the tasks; "
+                            "keep one of them")
+        self.family = family
+        self.tasks_dir = Path(tasks_dir) if tasks_dir else _family_tasks(family)
         self.sandbox, self.sandbox_options = sandbox, dict(sandbox_options or {})
         self.toolchain = _toolchain_for(verifier_toolchain)
         self.verifier_safe_path = verifier_safe_path
@@ -440,6 +454,12 @@ class TerminalBenchEnv(Environment):
             session.setup_steps, session.setup_s = len(steps), sum(r.duration_s for r in steps)
         return session
 
+    def demonstrator(self, tokenizer: Any, tool_rate: float = 1.0, seed: int = 0):  # noqa: ANN201
+        """The scripted player of the starter family: the built-in warm start's SFT data (miles_agent/warmstart.py)."""
+        from .starter import StarterDemonstrator
+
+        return StarterDemonstrator(tokenizer, tool_rate=tool_rate, seed=seed)
+
     async def oracle_solve(self, task: Task | str, sandbox: Sandbox) -> ExecResult:
         """Run the task's solution/solve.sh in the sandbox (the oracle policy); the caller scores after."""
         t = self.harbor_task(task)
@@ -452,6 +472,17 @@ class TerminalBenchEnv(Environment):
         self._oracle_played.add(sandbox)  # the task author's commands: what they start stays up for the tests
         return await sandbox.exec(f"bash {SOLUTION_DIR}/solve.sh", timeout_s=t.agent_timeout_s,
                                   env=t.solution_env or None)
+
+
+def _family_tasks(family: str) -> Path:
+    if family == "shipped":
+        return SHIPPED_TASKS
+    if family == "starter":
+        from .starter import family_dir
+
+        return family_dir()
+    raise UserError(f"terminal-bench: env.options.family={family!r} is not a task family; use shipped (the "
+                    "hand-written tasks) or starter (the generated one-command family), or pass --tasks DIR")
 
 
 def _toolchain_for(setting: str | Path | None) -> Toolchain | None:

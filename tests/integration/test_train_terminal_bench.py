@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from miles_agent.build import build_env
 from miles_agent.config import load_config
 from miles_agent.engine import SamplingParams
@@ -28,10 +30,12 @@ def test_terminal_bench_trains_end_to_end(tmp_path):
     assert (tmp_path / "final" / "config.json").is_file()
 
 
-def test_terminal_bench_prompts_fit_the_recipe(tokenizer):
-    """The recipe's token budget leaves room to act on every shipped task."""
-    cfg = load_config("tiny-cpu", {"env.name": "terminal-bench"})
+@pytest.mark.parametrize("family", ["shipped", "starter"])
+def test_terminal_bench_prompts_fit_the_recipe(tokenizer, family):
+    """The recipe's token budget leaves room to act on every task of both families."""
+    cfg = load_config("tiny-cpu", {"env.name": "terminal-bench", "env.options.family": family})
     env = build_env(cfg)
+    assert env.family == family
     harness = TerminalHarness(tokenizer, HarnessLimits(), SamplingParams())
     renderer = ChatRenderer(tokenizer, None)
     longest = max(len(renderer.prompt_ids(harness.opening_messages(t))) for t in env.tasks("all"))
