@@ -108,3 +108,24 @@ def test_a_family_and_a_tasks_folder_together_are_refused(tmp_path):
         TerminalBenchEnv(tmp_path, family="starter")
     with pytest.raises(UserError, match="use shipped .* or starter"):
         TerminalBenchEnv(family="hard")
+
+
+def test_the_warmstart_command_builds_from_the_family_in_the_sandbox(tmp_path, monkeypatch):
+    """`miles-agent warmstart --env terminal-bench` (shortened: 2 SFT steps on 16 demonstrations) plays the
+    starter family through the terminal harness in the local sandbox and writes a loadable HF folder."""
+    from miles_agent import cli, sft
+    from miles_agent.models.builder import load_hf
+
+    monkeypatch.setattr(TerminalBenchEnv, "warm_start_stages", ((2, 1.0),))
+    played = []
+    full = sft.split_tasks
+
+    def first_16(env, split, key):
+        played.append((env.family, split))
+        return full(env, split, key)[:16]
+
+    monkeypatch.setattr(sft, "split_tasks", first_16)
+    assert cli.main(["warmstart", "--env", "terminal-bench", "--out", str(tmp_path / "ws")]) == 0
+    assert played == [("starter", "sft")]
+    model, tokenizer = load_hf(tmp_path / "ws", "float32")
+    assert model.config.vocab_size == len(tokenizer)
