@@ -14,7 +14,8 @@ compute a micro-batch's logprobs and complete gradients across ranks, so those a
 
 Overridable defaults: ``_build_micro_batches`` (extra per-micro-batch inputs, e.g. routing replay),
 ``_no_grad_logprobs`` and ``_backward_micro_batches`` (pipeline schedules), ``_sum_metric_shares``,
-``_optimized_params`` (what AdamW steps), ``_optimizer_step``. A backend's ``__init__`` calls ``super().__init__`` first (options are checked
+``_optimized_params`` (what AdamW steps), ``_optimizer_step``, ``_packs_sequences`` (token budget of packed
+micro-batches). A backend's ``__init__`` calls ``super().__init__`` first (options are checked
 before any weight moves), sets ``model``, ``ref_model``, ``rank``, ``dp_rank``, ``dp_size`` and
 ``device``, then calls ``_init_optimizer``; it still owns the weights' way out (``named_weights``,
 ``save_hf``, checkpoints) and ``close``. ``tests/contracts/test_trainer_contract.py`` has a complete
