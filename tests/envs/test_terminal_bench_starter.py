@@ -15,8 +15,7 @@ from test_terminal_bench_local import episode
 
 from miles_agent.build import build_env
 from miles_agent.config import load_config
-from miles_agent.envs.terminal_bench import TerminalBenchEnv
-from miles_agent.envs.terminal_bench import starter
+from miles_agent.envs.terminal_bench import TerminalBenchEnv, starter
 from miles_agent.errors import UserError
 
 
