@@ -47,6 +47,8 @@ def check_choices(cfg: Config) -> None:
     parse_sinks(plugins.split_sinks(cfg.run.sinks)[0])  # module:Class sinks: plugins.check_config
     plugins.check_config(cfg)  # every module:attr key loads and takes its documented call
     offload_enabled(cfg.train.offload, colocate=cfg.cluster.colocate, mode=cfg.cluster.mode)
+    if cfg.train.pack_sequences not in (True, False, "auto"):  # the trainer resolves auto
+        raise UserError(f"train.pack_sequences must be auto, true or false, got {cfg.train.pack_sequences!r}")
     if cfg.env.mix or cfg.env.name == "mix":  # envs/mix checks each of env.mix; returns cfg as env.name=mix
         cfg = registry.load("envs", "mix", key="env.mix").check(cfg)
     env = registry.load("envs", cfg.env.name, key="env.name")

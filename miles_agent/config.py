@@ -87,7 +87,9 @@ class TrainConfig:
     # model.dtype (compute in model.dtype); "bfloat16" = plain bf16 AdamW (most small updates round away).
     master_dtype: str = "float32"
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (fsdp2)
-    pack_sequences: bool = False  # fsdp2: a micro-batch's sequences in one row, no pad tokens computed
+    # fsdp2: a micro-batch's sequences in one row, no pad tokens computed; auto = on unless algo.true_on_policy
+    # (which runs the engine's kernels on one sequence per row); other backends: off (true is refused)
+    pack_sequences: bool | str = "auto"
     logits_chunk_tokens: int = 1024  # LM head + log-softmax per chunk of this many tokens; 0 = all at once
     qat: str = "none"  # none | int4: group-wise int4 fake quantization (STE) in the forward (fsdp2)
 

@@ -91,9 +91,16 @@ def shard(model: nn.Module, mesh: DeviceMesh, mp_policy: Any = None) -> nn.Modul
 def check_memory_options(train: TrainConfig, algo: AlgoConfig) -> None:
     if train.logits_chunk_tokens < 0:
         raise UserError(f"train.logits_chunk_tokens must be >= 0 (0 = unchunked), got {train.logits_chunk_tokens}")
-    if train.pack_sequences and algo.true_on_policy:
+    if train.pack_sequences not in (True, False, "auto"):
+        raise UserError(f"train.pack_sequences must be auto, true or false, got {train.pack_sequences!r}")
+    if train.pack_sequences is True and algo.true_on_policy:
         raise UserError("train.pack_sequences and algo.true_on_policy are exclusive (true on-policy runs the "
-                        "engine's kernels on one sequence per row); set train.pack_sequences=false")
+                        "engine's kernels on one sequence per row); set train.pack_sequences=false or auto")
+
+
+def packs_sequences(train: TrainConfig, algo: AlgoConfig) -> bool:
+    """``train.pack_sequences`` resolved: auto packs unless true on-policy mode is on."""
+    return train.pack_sequences is True or (train.pack_sequences == "auto" and not algo.true_on_policy)
 
 
 class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
@@ -121,7 +128,8 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
             routing_replay.install(model)
         if algo.true_on_policy:  # the engine's batch-invariant numerics: bitwise-equal logprobs
             true_on_policy.apply(model)
-        if train.pack_sequences:  # packed rows: causal SDPA per sequence (a no-op for unpacked forwards)
+        self.pack = packs_sequences(train, algo)
+        if self.pack:  # packed rows: causal SDPA per sequence (a no-op for unpacked forwards)
             varlen.install(model)
         self.ref_model: nn.Module | None = None
         if needs_reference(algo):  # a frozen copy of the initial policy in the compute dtype (not saved)
@@ -198,7 +206,7 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
         vision = vision_token_ids(self.model)
         if vision is not None:  # image rows run padded: M-RoPE positions do not restart per packed sequence
             mbs = [add_images(mb, trajectories, vision[0]).to(self.device) for mb in mbs]
-        if self.train_cfg.pack_sequences:
+        if self.pack:
             mbs = [mb if mb.pixel_values is not None else pack(mb) for mb in mbs]
         if self.algo.routing_replay:
             routers = routing_replay.moe_routers(self.model)
@@ -224,7 +232,7 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
         return None  # the default group: every rank holds its own data
 
     def _packs_sequences(self) -> bool:
-        return self.train_cfg.pack_sequences and vision_token_ids(self.model) is None  # image rows run padded
+        return self.pack and vision_token_ids(self.model) is None  # image rows run padded
 
     def _optimized_params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only

@@ -68,7 +68,7 @@ def test_packed_micro_batches_give_the_padded_logprobs_and_update() -> None:
     lengths = [len(t.tokens) for t in trajs]
     assert mb.packed_ids.shape == (1, sum(lengths))  # not one pad token
     assert mb.packed_positions[0, lengths[0]].item() == 0  # positions restart at each sequence
-    ref = trained(logits_chunk_tokens=0)
+    ref = trained(logits_chunk_tokens=0, pack_sequences=False)
     assert close(trained(pack_sequences=True), ref, atol=1e-5)
     assert close(trained(pack_sequences=True, logits_chunk_tokens=5), ref, atol=1e-5)
 
@@ -82,6 +82,16 @@ def test_memory_options_are_checked() -> None:
         make_trainer(pack_sequences=True, true_on_policy=True)
     with pytest.raises(UserError, match="logits_chunk_tokens"):
         make_trainer(logits_chunk_tokens=-1)
+    with pytest.raises(UserError, match="pack_sequences must be auto, true or false"):
+        make_trainer(pack_sequences="yes")
+
+
+def test_auto_packs_unless_true_on_policy() -> None:
+    from miles_agent.trainers import varlen
+
+    assert make_trainer().pack and varlen.installed(make_trainer().model)  # the default: auto
+    assert not make_trainer(true_on_policy=True).pack  # the engine's kernels, one sequence per row
+    assert not make_trainer(pack_sequences=False).pack
 
 
 def test_the_memory_options_compose_with_bf16_mixed_precision() -> None:
@@ -92,7 +102,7 @@ def test_the_memory_options_compose_with_bf16_mixed_precision() -> None:
         return trained(FSDP2Trainer(model.to(torch.bfloat16), tok, TrainConfig(lr=1e-3, micro_batch_tokens=64,
                                                                                **options), AlgoConfig(entropy_coef=0.01)))
 
-    a = run(logits_chunk_tokens=0)
+    a = run(logits_chunk_tokens=0, pack_sequences=False)
     b = run(logits_chunk_tokens=4, activation_checkpointing=True, pack_sequences=True)
     assert all(g.dtype == torch.float32 for g in b[1].values())
     assert all(abs(x - y) < 3e-2 for ra, rb in zip(a[0], b[0]) for x, y in zip(ra, rb))

@@ -52,9 +52,9 @@ class MegatronTrainer(PolicyTrainer):
         from megatron.core import parallel_state as ps
 
         super().__init__(tokenizer, train, algo, temperature)
-        if train.pack_sequences:
+        if train.pack_sequences is True:  # auto: off here
             raise UserError("train.pack_sequences is implemented by the fsdp2 trainer only; set "
-                            "train.pack_sequences=false with train.backend=megatron")
+                            "train.pack_sequences=false (or auto) with train.backend=megatron")
         for name in ("routing_replay", "true_on_policy"):
             if getattr(algo, name):
                 raise UserError(f"algo.{name} is implemented by the fsdp2 trainer only; set train.backend=fsdp2 "
