@@ -68,7 +68,7 @@ fi
 
 @dataclass(frozen=True)
 class StarterTask:
-    """One generated task: its files at the start, and the verifier's check (expected files go to tests/)."""
+    """One generated task: its kind, its files at the start, and the verifier's check (expected files go to tests/)."""
 
     kind: str
     files: dict[str, str]
