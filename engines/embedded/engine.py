@@ -98,8 +98,7 @@ class EmbeddedEngine:
             from miles_agent import true_on_policy as exact
 
             exact.apply(model)
-        self.runner = ModelRunner(model, self.device, max_seq_len, max_batch_size)
-        self.runner.exact = true_on_policy
+        self.runner = ModelRunner(model, self.device, max_seq_len, max_batch_size, exact=true_on_policy)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -496,7 +495,7 @@ class EmbeddedEngine:
         if not live:
             return
         tokens, logprobs = sample(logits[live], [seqs[b].sampling for b in live],
-                                  [seqs[b].generator for b in live], exact=self.runner.exact)
+                                  [seqs[b].draws for b in live], exact=self.runner.exact)
         for b, tok, lp in zip(live, tokens, logprobs):
             seqs[b].append(tok, lp, self._version)
         self.stats["generated_tokens"] += len(live)

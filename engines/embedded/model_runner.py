@@ -6,9 +6,10 @@ built for one ``generate`` call. So the runner re-implements the decoder loop, c
 leaf modules (linear layers, RMSNorms, rotary embedding, the sparse-MoE router and experts) so the
 fp32 numerics match HF's forward. Attention is SDPA with an explicit mask.
 
-The cache is preallocated per slot, ``[layers, slots, kv_heads, capacity, head_dim]`` for keys and
-values, and grows (doubling) in both slots and capacity up to the engine's limits, so a tiny model
-on a laptop does not reserve ``max_batch_size x max_seq_len`` up front.
+The cache is preallocated per slot -- values ``[layers, slots, kv_heads, capacity, head_dim]``, keys
+transposed, ``[layers, slots, kv_heads, head_dim, capacity]``, so a decode step's ``q @ k^T`` streams
+each key row in order -- and grows (doubling) in both slots and capacity up to the engine's limits, so a
+tiny model on a laptop does not reserve ``max_batch_size x max_seq_len`` up front.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from miles_agent.engines.embedded.fused import FusedDecoder, fusable
 from miles_agent.models.vision import mask_suppressed, suppressed_ids
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl")
@@ -68,7 +70,8 @@ class VisionInputs:
 class ModelRunner:
     """Prefill and batched decode over per-slot KV cache. Not thread-safe: one step at a time."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, max_seq_len: int, max_slots: int) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_seq_len: int, max_slots: int,
+                 exact: bool = False) -> None:
         cfg = model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -93,37 +96,46 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.max_slots = max_slots
         self.dtype = next(model.parameters()).dtype
-        self.k_cache = self._empty(0, 0)
+        self.k_cache = self._empty(0, 0, keys=True)
         self.v_cache = self._empty(0, 0)
         ids = suppressed_ids(model)  # a VLM never samples image placeholders (nor does its trainer score them)
         self.suppressed = torch.tensor(ids, device=device) if ids else None
-        self.exact = False  # true on-policy mode (miles_agent.true_on_policy), set by the engine
+        self.exact = exact  # true on-policy mode (miles_agent.true_on_policy): the trainer's kernels, unfused
+        # Attention over the cache as two batched matmuls (`_bmm_attention`) where that beats SDPA's kernel: fp32
+        # on a CPU. Elsewhere (bf16, CUDA) SDPA keeps its fp32 softmax and fused kernels.
+        self.bmm_attention = self.device.type == "cpu" and self.dtype == torch.float32
+        # The fused forward (fewer, larger torch ops; same math) where the model allows it, else why not.
+        self.unfused_reason = "true on-policy mode runs the trainer's kernels" if exact else fusable(self.model,
+                                                                                                    self.layers)
+        self.fused = (FusedDecoder(self.model, self.layers, self.head_dim, max_seq_len)
+                      if self.unfused_reason is None else None)
 
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
 
     # -- cache ----------------------------------------------------------------------------------
-    def _empty(self, slots: int, length: int) -> torch.Tensor:
-        shape = (len(self.layers), slots, self.num_kv_heads, length, self.head_dim)
+    def _empty(self, slots: int, length: int, keys: bool = False) -> torch.Tensor:
+        shape = ((len(self.layers), slots, self.num_kv_heads, self.head_dim, length) if keys
+                 else (len(self.layers), slots, self.num_kv_heads, length, self.head_dim))
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def ensure_capacity(self, slots: int, length: int) -> None:
         """Grow the cache (doubling, capped at the engine limits) so ``slots`` x ``length`` fits."""
-        cur_slots, cur_len = self.k_cache.shape[1], self.k_cache.shape[3]
+        cur_slots, cur_len = self.v_cache.shape[1], self.v_cache.shape[3]
         if slots <= cur_slots and length <= cur_len:
             return
         new_slots = cur_slots if slots <= cur_slots else min(self.max_slots, max(slots, 2 * cur_slots))
         new_len = cur_len if length <= cur_len else min(self.max_seq_len, max(length, 2 * cur_len, 64))
-        for name in ("k_cache", "v_cache"):
-            old = getattr(self, name)
-            new = self._empty(new_slots, new_len)
-            new[:, :cur_slots, :, :cur_len] = old
-            setattr(self, name, new)
+        keys = self._empty(new_slots, new_len, keys=True)
+        keys[:, :cur_slots, ..., :cur_len] = self.k_cache
+        values = self._empty(new_slots, new_len)
+        values[:, :cur_slots, :, :cur_len] = self.v_cache
+        self.k_cache, self.v_cache = keys, values
 
     def release(self) -> None:
         """Drop the whole cache (callers re-prefill anything they still need)."""
-        self.k_cache = self._empty(0, 0)
+        self.k_cache = self._empty(0, 0, keys=True)
         self.v_cache = self._empty(0, 0)
 
     # -- forward ----------------------------------------------------------------------------------
@@ -145,6 +157,10 @@ class ModelRunner:
         A vision-language model's rotary positions ``rope`` ([3, B, T] M-RoPE) differ from the cache
         positions; ``visual`` rows ``(b, columns, features, deepstack)`` replace those columns' embeddings
         with image features and add the DeepStack features after the first layers, as HF's forward does."""
+        if self.fused is not None and not self.exact and rope is None and not visual:
+            if self.fused.intact():
+                return self.fused.forward(ids, positions, attend, routing, self._mlp)
+            self.fused, self.unfused_reason = None, "a projection was wrapped after the engine was built"
         h = self.decoder.embed_tokens(ids)
         for b, cols, feats, _ in visual:
             h[b, cols] = feats.to(h.dtype)
@@ -175,8 +191,37 @@ class ModelRunner:
             from miles_agent import true_on_policy
 
             return true_on_policy.attention(q, k, v, q_pos, self.scaling)
+        group = self.num_heads // self.num_kv_heads
+        if q.shape[2] == 1 and group > 1:
+            # One query per sequence (decode): a kv head's `group` query heads become its query rows, so
+            # the keys and values are read once per kv head, not repeated per query head (GQA's copy).
+            batch, heads, _, dim = q.shape
+            out = F.scaled_dot_product_attention(q.reshape(batch, self.num_kv_heads, group, dim), k, v,
+                                                 attn_mask=mask, scale=self.scaling)
+            return out.view(batch, heads, 1, dim)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
-                                              enable_gqa=self.num_heads != self.num_kv_heads)
+                                              enable_gqa=group > 1)
+
+    def _bias(self, visible: torch.Tensor, length: int) -> torch.Tensor:
+        """`_bmm_attention`'s additive mask from a boolean one [B, 1, T or 1, span]: one row per (sequence,
+        kv head), and per query row of the kv head's group when there are several queries (prefill)."""
+        batch, span = visible.shape[0], visible.shape[-1]
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        group = self.num_heads // self.num_kv_heads if length > 1 else 1
+        rows = bias.shape[2] * group
+        return bias[:, :, None].expand(batch, self.num_kv_heads, group, -1, span).reshape(-1, rows, span)
+
+    def _bmm_attention(self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor,
+                       bias: torch.Tensor) -> torch.Tensor:
+        """Attention against cached keys (transposed, ``[B, KV, D, span]``) as two batched matmuls: a kv
+        head's query group is one ``[group x T, D] @ [D, span]`` (no keys repeated per query head, no mask
+        converted per layer). On a CPU in fp32 this beats SDPA's kernel, most at one query row (decode)."""
+        batch, heads, length, dim = q.shape
+        kv, span = keys_t.shape[1], keys_t.shape[-1]
+        scores = torch.baddbmm(bias, q.reshape(batch * kv, heads // kv * length, dim),
+                               keys_t.reshape(batch * kv, dim, span), alpha=self.scaling)
+        out = torch.bmm(scores.softmax(-1), values.reshape(batch * kv, span, dim))
+        return out.view(batch, heads, length, dim)
 
     @staticmethod
     def _routing_rows(routing: list[torch.Tensor] | None) -> np.ndarray | None:
@@ -208,19 +253,28 @@ class ModelRunner:
             valid_b, valid_t = (torch.arange(length, device=self.device)[None] < lens[:, None]).nonzero(as_tuple=True)
             w_slot, w_pos = slot_idx[valid_b], positions[valid_b, valid_t]
             mask = (torch.arange(span, device=self.device)[None, None] <= positions[:, :, None])[:, None]
+            bias = self._bias(mask, length) if self.bmm_attention and not self.exact else None
+            lo = slots[0]
+            contiguous = slots == list(range(lo, lo + batch))
 
             def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                self.k_cache[i, w_slot, :, w_pos] = k.transpose(1, 2)[valid_b, valid_t]
+                self.k_cache[i, w_slot, :, :, w_pos] = k.transpose(1, 2)[valid_b, valid_t]
                 self.v_cache[i, w_slot, :, w_pos] = v.transpose(1, 2)[valid_b, valid_t]
-                keys = self.k_cache[i, :, :, :span].index_select(0, slot_idx)
-                values = self.v_cache[i, :, :, :span].index_select(0, slot_idx)
-                return self._sdpa(q, keys, values, mask, positions)
+                if contiguous:
+                    keys_t = self.k_cache[i, lo: lo + batch, ..., :span]
+                    values = self.v_cache[i, lo: lo + batch, :, :span]
+                else:
+                    keys_t = self.k_cache[i, ..., :span].index_select(0, slot_idx)
+                    values = self.v_cache[i, :, :, :span].index_select(0, slot_idx)
+                if bias is not None:
+                    return self._bmm_attention(q, keys_t, values, bias)
+                return self._sdpa(q, keys_t.transpose(-1, -2), values, mask, positions)
         else:
             causal = torch.ones((length, length), dtype=torch.bool, device=self.device).tril()
             mask = (causal[None] & (positions < lens[:, None])[:, None, :])[:, None]  # [B, 1, T, T]
 
             def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                self.k_cache[i, slot_idx, :, :length] = k
+                self.k_cache[i, slot_idx, ..., :length] = k.transpose(-1, -2)
                 self.v_cache[i, slot_idx, :, :length] = v
                 return self._sdpa(q, k, v, mask, positions)
 
@@ -242,12 +296,12 @@ class ModelRunner:
         """Copy a cached prefix's KV ``[layers, kv_heads, n, head_dim]`` into positions ``0:n`` of a slot."""
         n = k.shape[2]
         self.ensure_capacity(slot + 1, n + 1)
-        self.k_cache[:, slot, :, :n] = k
+        self.k_cache[:, slot, ..., :n] = k.transpose(-1, -2)
         self.v_cache[:, slot, :, :n] = v
 
     def read_kv(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of a slot's KV at positions ``start:end`` (callers copy what they keep)."""
-        return self.k_cache[:, slot, :, start:end], self.v_cache[:, slot, :, start:end]
+        return self.k_cache[:, slot, ..., start:end].transpose(-1, -2), self.v_cache[:, slot, :, start:end]
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int],
@@ -259,25 +313,29 @@ class ModelRunner:
         pos = torch.tensor(positions, device=self.device)
         span = max(positions) + 1
         self.ensure_capacity(max(slots) + 1, span)
+        batch = len(slots)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-        mask = (torch.arange(span, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+        visible = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [B, span]
         slot_idx = torch.tensor(slots, device=self.device)
+        bias = self._bias(visible[:, None, None], 1) if self.bmm_attention and not self.exact else None
 
         # The engine hands out the lowest free slots, so a decode batch is usually a run of slots: then
         # the cache is read through a view instead of gathered (the gather was a quarter of a step).
         lo = slots[0]
-        contiguous = slots == list(range(lo, lo + len(slots)))
+        contiguous = slots == list(range(lo, lo + batch))
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k_cache[i, slot_idx, :, pos] = k[:, :, 0]
+            self.k_cache[i, slot_idx, :, :, pos] = k[:, :, 0]
             self.v_cache[i, slot_idx, :, pos] = v[:, :, 0]
             if contiguous:
-                keys = self.k_cache[i, lo : lo + len(slots), :, :span]
-                values = self.v_cache[i, lo : lo + len(slots), :, :span]
+                keys_t = self.k_cache[i, lo: lo + batch, ..., :span]
+                values = self.v_cache[i, lo: lo + batch, :, :span]
             else:
-                keys = self.k_cache[i, :, :, :span].index_select(0, slot_idx)
+                keys_t = self.k_cache[i, ..., :span].index_select(0, slot_idx)
                 values = self.v_cache[i, :, :, :span].index_select(0, slot_idx)
-            return self._sdpa(q, keys, values, mask, pos[:, None])
+            if bias is not None:
+                return self._bmm_attention(q, keys_t, values, bias)
+            return self._sdpa(q, keys_t.transpose(-1, -2), values, visible[:, None, None, :], pos[:, None])
 
         routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
         rope = None

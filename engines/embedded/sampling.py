@@ -6,11 +6,14 @@ top-k filtering. The trainer divides its own logits by the same temperature, so 
 like with like; filtering is a property of the sampler, not of the policy being trained.
 
 Each request owns a ``torch.Generator``, so a seeded request draws the same tokens whichever other
-requests share its decode batch.
+requests share its decode batch. A stochastic row draws by inverse CDF: one uniform per token, where the
+exponential race (``argmax p / E``) needed a vocabulary of exponentials -- most of a small model's
+sampling time.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from miles_agent.engine import SamplingParams
@@ -29,53 +32,92 @@ def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
     return gen
 
 
-def _filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k and top-p nucleus; returns sorted logits + order."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
-    drop = ranks[None, :] >= top_k[:, None]
+class Uniforms:
+    """One request's U[0, 1) draws for inverse-CDF sampling, taken from its own generator a block at a
+    time (one launch per ``block`` steps, not one per step). They depend only on the request's seed,
+    never on the batch it shares; on a CPU a block is even the same numbers as one draw per step."""
+
+    block = 64
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self._draws: list[float] = []
+
+    def next(self) -> float:
+        if not self._draws:
+            drawn = torch.rand(self.block, generator=self.generator, device=self.generator.device)
+            self._draws = drawn.tolist()[::-1]  # popped from the end: first drawn, first used
+        return self._draws.pop()
+
+
+def _nucleus(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's tokens by descending probability: (order, probabilities in that order, how many are kept).
+
+    Kept is a prefix: a token stays while the mass strictly before it is below top_p (the first always
+    stays) and its rank is below top_k."""
+    if scaled.device.type == "cpu":  # numpy's SIMD sort: 3x torch's CPU sort (ties may order differently)
+        order = torch.from_numpy(np.argsort(-scaled.numpy(), axis=-1))
+        sorted_logits = scaled.gather(1, order)
+    else:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
-    # Keep a token while the mass strictly before it is below top_p (the first token always stays).
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    if top_k is not None:
+        drop |= torch.arange(scaled.shape[-1], device=scaled.device)[None, :] >= top_k[:, None]
     drop[:, 0] = False
-    return sorted_logits.masked_fill(drop, float("-inf")), order
+    return order, probs, scaled.shape[-1] - drop.sum(dim=-1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+def _inverse_cdf(probs: torch.Tensor, kept: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """Index ``i`` with probability ``probs[i] / mass`` among the first ``kept`` of each row (all when None).
+
+    In float64 the target ``u * mass`` (u < 1 a float32) is exact and strictly below the mass, so the
+    first cumulative sum above it is always a token with nonzero probability inside the kept prefix."""
+    cdf = probs.double().cumsum(dim=-1)
+    mass = cdf[:, -1:] if kept is None else cdf.gather(1, (kept - 1)[:, None])
+    return torch.searchsorted(cdf, u[:, None] * mass, right=True)[:, 0]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[Uniforms | torch.Generator],
            exact: bool = False) -> tuple[list[int], list[float]]:
     """Sample one token per row of ``logits`` ([B, V]); return token ids and their logprobs (see module doc).
 
-    Stochastic rows use the exponential race (``argmax p / E`` with ``E ~ Exp(1)``, an exact sample
-    from ``p``): only the noise is drawn row by row, from each request's own generator.
+    Stochastic rows draw by inverse CDF, one uniform each from the request's own `Uniforms` (a bare
+    generator is drawn from directly), after top-k / top-p filtering of the tempered distribution.
     """
     logits = logits.float()
     vocab = logits.shape[-1]
     dev = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
-    scaled = logits / temps[:, None]
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev)[:, None]
     if exact:
         from miles_agent import true_on_policy
 
         logp = true_on_policy.log_softmax(scaled)
     else:
         logp = torch.log_softmax(scaled, dim=-1)
-    tokens = logits.argmax(dim=-1)
     stochastic = [i for i, p in enumerate(params) if p.temperature > 0]
+    tokens = logits.argmax(dim=-1) if len(stochastic) < len(params) else None
     if stochastic:
-        idx = torch.tensor(stochastic, device=dev)
+        every = len(stochastic) == len(params)  # the usual batch: no row selection needed
+        idx = None if every else torch.tensor(stochastic, device=dev)
         rows = [params[i] for i in stochastic]
+        u = torch.tensor([draws[i].next() if isinstance(draws[i], Uniforms)
+                          else float(torch.rand(1, generator=draws[i], device=draws[i].device)) for i in stochastic],
+                         dtype=torch.float64, device=dev)
         if all(p.top_k < 0 and p.top_p >= 1 for p in rows):
-            probs, order = logp[idx].exp(), None
+            picked = _inverse_cdf((logp if every else logp[idx]).exp(), None, u)
         else:
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in rows], device=dev)
+            top_k = (None if all(p.top_k <= 0 or p.top_k >= vocab for p in rows) else
+                     torch.tensor([p.top_k if p.top_k > 0 else vocab for p in rows], device=dev))
             # top_p = 1 must keep the whole vocabulary, even where fp32 cumsum rounds to 1 early.
             top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in rows], device=dev)
-            filtered, order = _filter_logits(scaled[idx], top_k, top_p)
-            probs = filtered.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for row, i in enumerate(stochastic):
-            noise[row].exponential_(generator=generators[i])
-        pick = (probs / noise).argmax(dim=-1)
-        tokens[idx] = pick if order is None else order.gather(1, pick[:, None])[:, 0]
+            order, probs, kept = _nucleus(scaled if every else scaled[idx], top_k, top_p)
+            picked = order.gather(1, _inverse_cdf(probs, kept, u)[:, None])[:, 0]
+        if every:
+            tokens = picked
+        else:
+            tokens[idx] = picked
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()

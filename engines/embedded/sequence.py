@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from miles_agent.engine import Completion, FinishReason, SamplingParams
-from miles_agent.engines.embedded.sampling import make_generator
+from miles_agent.engines.embedded.sampling import Uniforms, make_generator
 
 
 @dataclass(eq=False)
@@ -44,6 +44,7 @@ class Sequence:
     routing: np.ndarray | None = None  # int32 [rows, moe_layers, top_k], rows = tokens that went through
     routing_rows: int = 0
     generator: torch.Generator | None = None
+    draws: Uniforms | None = None  # the sampler's uniforms, drawn from ``generator`` in blocks
     prefilled: bool = False
     images: tuple = ()  # the prompt's ImageInputs (a vision-language model)
     vision: Any = None  # their features and M-RoPE positions while the sequence holds a slot (VisionInputs)
@@ -51,6 +52,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.device, self.sampling.seed)
+        self.draws = Uniforms(self.generator)
         self._stop_window = max((len(s.encode()) for s in self.sampling.stop), default=0) + 8
 
     @property

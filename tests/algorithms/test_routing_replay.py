@@ -131,8 +131,12 @@ def mismatch_experiment(seed: int = 0, n: int = 32, new_tokens: int = 40) -> dic
 
 
 def test_r3_cuts_the_rollout_train_mismatch_tenfold():
-    m = mismatch_experiment()  # measured 12.7x-14.7x over seeds 0-3 (about 1,100 tokens each)
-    assert m["tokens"] >= 1000
+    # Pooled over three seeds (~3,600 tokens): one seed's ~1,100 tokens ranged 8.8x-16.4x over seeds 0-3
+    # with the inverse-CDF sampler (12.7x-14.7x with the former exponential race), the pool gives 12.6x.
+    runs = [mismatch_experiment(seed) for seed in range(3)]
+    tokens = sum(m["tokens"] for m in runs)
+    m = {name: sum(r[name] * r["tokens"] for r in runs) / tokens for name in ("natural", "r3")}
+    assert tokens >= 3000
     assert m["r3"] > 0  # the bf16 gate weights still differ: R3 does not hide that
     assert m["natural"] >= 10 * m["r3"], m
 

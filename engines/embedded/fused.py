@@ -1,0 +1,206 @@
+"""The embedded engine's fused decoder forward: the same Qwen3 math in about a third of the torch calls.
+
+Why: a small model on a CPU (or any model at a small batch) is dispatch-bound -- HF's modules spend most
+of a decode step launching tiny ops (an RMSNorm is six, RoPE eight, each projection its own matmul).
+This forward runs the same arithmetic with fewer launches:
+
+- q, k and v are one matmul, and so are the MLP's gate and up (their weights concatenated), each
+  weight stored transposed (``x @ w_t``: the GEMM layout a CPU runs fastest at a few rows);
+- the q- and k-norms run as one ``rms_norm`` over all heads, then each head's weight;
+- RoPE reads a cos / sin table built once by the model's own rotary module (every position it will
+  serve), and ``rotate_half(x) * sin`` becomes ``roll(x) * sin`` with sin's first half negated;
+- modules are not called: their weights are read directly.
+
+Every elementwise op is HF's, in HF's order (``rms_norm`` is bitwise HF's RMSNorm in fp32; other dtypes
+use HF's formula); the matmuls compute the same dot products in another kernel, so logits match the
+module path to float rounding (tests/perf_engine/test_fused_forward.py pins the tolerance).
+
+Weights stay the model's: after fusing, each projection's ``weight`` is a (transposed) view into its
+fused tensor, so a
+weight sync that copies into ``q_proj.weight`` (by name, by any transport, in place) updates the fused
+tensor too -- nothing can go stale. Anything that gives a parameter new storage instead (``model.to``
+moving it off the device and back) breaks the aliasing; every forward checks it (a data pointer per
+projection) and re-fuses when it is broken.
+
+Used when the model is a text Qwen3 / Qwen3-MoE with plain ``nn.Linear`` projections and a static RoPE;
+LoRA or low-precision rollouts (which wrap the projections), true on-policy mode (its batch-invariant
+kernels), and vision-language models keep the module path (`ModelRunner._forward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MLP = Callable[[nn.Module, torch.Tensor, list | None], torch.Tensor]
+
+_FUSABLE_TYPES = ("qwen3", "qwen3_moe")
+
+
+def fusable(model: nn.Module, layers: list[nn.Module]) -> str | None:
+    """None when the fused forward serves this model, else why not (for the engine's stats and tests)."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in _FUSABLE_TYPES:
+        return f"model_type {model_type!r} (fused: {', '.join(_FUSABLE_TYPES)})"
+    rope = getattr(model.model, "rotary_emb", None)
+    rope_type = str(getattr(rope, "rope_type", "default"))
+    if rope is None or "dynamic" in rope_type or rope_type == "longrope":
+        return f"RoPE type {rope_type!r} depends on the sequence length"
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if not hasattr(mlp, "experts"):
+            projections += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        for proj in projections:
+            if type(proj) is not nn.Linear:  # LoRA / quantized wrappers compute more than weight @ x
+                return f"layer {i} has a {type(proj).__name__} projection"
+        if len({p.bias is None for p in (attn.q_proj, attn.k_proj, attn.v_proj)}) > 1:
+            return f"layer {i}: q/k/v disagree on having a bias"
+        if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+            return f"layer {i}: the q- and k-norms have different epsilons"
+    return None
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """HF's Qwen3RMSNorm: fp32 statistics, then ``weight * x.to(input dtype)``."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # bitwise HF's formula in fp32
+    normed = x.float()
+    normed = (normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if weight is None else weight * normed
+
+
+class _FusedBlock:
+    """One projection group (or a single projection) as one transposed weight ``[in, sum of outs]``, whose
+    column blocks are the modules' weights: ``x @ weight_t`` is one matmul, and in the layout a CPU GEMM
+    runs fastest at a few rows (an untransposed ``F.linear`` weight was 1.3-3x slower at 16 rows here)."""
+
+    def __init__(self, modules: list[nn.Linear]) -> None:
+        self.modules = modules
+        self.weight_t, self.bias = self._fuse()
+
+    @torch.no_grad()
+    def _fuse(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with torch.inference_mode(False):  # the fused tensor must accept later in-place syncs
+            weight_t = torch.cat([m.weight.detach().t() for m in self.modules], dim=1).contiguous()
+            bias = None if self.modules[0].bias is None else torch.cat([m.bias.detach() for m in self.modules])
+            col = 0
+            for m in self.modules:
+                n = m.weight.shape[0]
+                m.weight.data = weight_t[:, col: col + n].t()
+                if bias is not None:
+                    m.bias.data = bias[col: col + n]
+                col += n
+        return weight_t, bias
+
+    def aliased(self) -> bool:
+        base, item, col = self.weight_t.data_ptr(), self.weight_t.element_size(), 0
+        for m in self.modules:
+            w = m.weight
+            if w.data_ptr() != base + col * item or w.stride() != (1, self.weight_t.shape[1]):
+                return False
+            col += w.shape[0]
+        return self.bias is None or self.modules[0].bias.data_ptr() == self.bias.data_ptr()
+
+    def refresh(self) -> None:
+        if not self.aliased():
+            self.weight_t, self.bias = self._fuse()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight_t
+        return out if self.bias is None else out + self.bias
+
+
+class FusedDecoder:
+    """The decoder stack of a text Qwen3 / Qwen3-MoE, fused (see module docstring)."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], head_dim: int, max_seq_len: int) -> None:
+        self.decoder = model.model
+        self.layers = layers
+        self.head_dim = head_dim
+        self.max_seq_len = max_seq_len
+        self.num_heads = model.config.num_attention_heads
+        self.num_kv_heads = model.config.num_key_value_heads
+        attn = [layer.self_attn for layer in layers]
+        dense = [None if hasattr(layer.mlp, "experts") else layer.mlp for layer in layers]  # MoE: the runner's
+        self.qkv = [_FusedBlock([a.q_proj, a.k_proj, a.v_proj]) for a in attn]
+        self.o = [_FusedBlock([a.o_proj]) for a in attn]
+        self.gate_up = [None if m is None else _FusedBlock([m.gate_proj, m.up_proj]) for m in dense]
+        self.down = [None if m is None else _FusedBlock([m.down_proj]) for m in dense]
+        self.silu = [m is not None and isinstance(m.act_fn, nn.SiLU) for m in dense]
+        self._table: torch.Tensor | None = None  # [positions, 2, head_dim]: cos, sin with its first half negated
+        self._table_key: tuple = ()
+
+    def intact(self) -> bool:
+        """False once a projection module was replaced (LoRA or quantized wrappers installed afterwards):
+        the fused weights would then skip what the wrapper adds, so the caller must use the modules."""
+        for i, layer in enumerate(self.layers):
+            held = layer.self_attn._modules
+            if (held["q_proj"], held["k_proj"], held["v_proj"], held["o_proj"]) != (*self.qkv[i].modules,
+                                                                                   *self.o[i].modules):
+                return False
+            if self.gate_up[i] is not None:
+                mlp = layer.mlp._modules
+                if (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]) != (*self.gate_up[i].modules,
+                                                                          *self.down[i].modules):
+                    return False
+        return True
+
+    def refresh(self) -> None:
+        """Re-fuse any group whose modules no longer alias it (their storage was replaced)."""
+        for block in [*self.qkv, *self.o, *self.gate_up, *self.down]:
+            if block is not None:
+                block.refresh()
+
+    def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [B, T, 1, head_dim] at ``positions``, from a table the model's rotary module
+        computed (elementwise, so each entry is bitwise what it returns for that position)."""
+        needed = int(positions.max()) + 1
+        rotary = self.decoder.rotary_emb
+        key = (like.dtype, like.device, rotary.inv_freq.data_ptr(), rotary.inv_freq._version)
+        if self._table is None or self._table.shape[0] < needed or key != self._table_key:
+            size = needed if self._table is None else max(needed, 2 * self._table.shape[0])
+            size = min(max(size, 256), max(self.max_seq_len, needed))
+            cos, sin = rotary(like, torch.arange(size, device=like.device)[None])
+            half = self.head_dim // 2
+            signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+            self._table, self._table_key = torch.stack((cos[0], signed), dim=1), key
+        cs = self._table[positions]  # [B, T, 2, D]
+        return cs[:, :, 0, None], cs[:, :, 1, None]
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, routing: list | None,
+                moe_mlp: MLP) -> torch.Tensor:
+        """Hidden states (before the final norm) for ids [B, T] at positions [B, T]; ``attend`` as in
+        `ModelRunner._forward` (q [B, H, T, D], k and v [B, KV, T, D])."""
+        self.refresh()
+        batch, length = ids.shape
+        heads, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        h = F.embedding(ids, self.decoder.embed_tokens.weight)
+        cos, sin = self._rope(positions, h)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            norm = layer.input_layernorm
+            x = _rms(h, norm.weight, norm.variance_epsilon)
+            qkv = self.qkv[i](x)
+            qk = qkv[..., : (heads + kv) * d].view(batch, length, heads + kv, d)
+            weights = torch.cat((attn.q_norm.weight.expand(heads, d), attn.k_norm.weight.expand(kv, d)))
+            qk = _rms(qk, None, attn.q_norm.variance_epsilon) * weights
+            qk = qk * cos + torch.roll(qk, d // 2, -1) * sin  # HF's q * cos + rotate_half(q) * sin
+            q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
+            v = qkv[..., (heads + kv) * d:].view(batch, length, kv, d).transpose(1, 2)
+            out = attend(i, q, k, v).transpose(1, 2).reshape(batch, length, heads * d)
+            h = h + self.o[i](out)
+            post = layer.post_attention_layernorm
+            x = _rms(h, post.weight, post.variance_epsilon)
+            gate_up = self.gate_up[i]
+            if gate_up is None:
+                h = h + moe_mlp(layer, x, routing)
+                continue
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            act = F.silu(gate) if self.silu[i] else layer.mlp.act_fn(gate)
+            h = h + self.down[i](act * up)
+        return h
