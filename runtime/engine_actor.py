@@ -9,7 +9,6 @@ moved to host while the trainer uses the device) and two fault-injection calls u
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from typing import Any
@@ -34,8 +33,6 @@ class EngineActor:
                                   prefix_cache_bytes=prefix_cache_bytes)
         self.released = False
         self.receiver = InProcessReceiver(self.engine)  # SGLang's weight-update API over this engine
-        # Ray runs an async actor's calls concurrently; SGLang serves weight updates one at a time, in order
-        self.weight_lock = asyncio.Lock()
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams,
                        return_routed_experts: bool = False) -> Completion:
@@ -78,10 +75,11 @@ class EngineActor:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, flush_cache: bool, weight_version: str | None,
-                                              load_format: str | None) -> None:
-        async with self.weight_lock:  # buckets are broadcast in order: receive them in the order announced
-            await self.receiver.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache,
-                                                                weight_version, load_format)
+                                              load_format: str | None, bucket: int | None = None) -> None:
+        """``bucket``: the announcement's number in its group. Ray starts an async actor's calls in no
+        guaranteed order, so the receiver takes the buckets in this order, not in the order they started."""
+        await self.receiver.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache,
+                                                            weight_version, load_format, bucket=bucket)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self.receiver.destroy_weights_update_group(group_name)

@@ -3,7 +3,8 @@
 Ray stores a numpy array with one memcpy and hands it to readers on the same node zero-copy, from
 shared memory; a list of torch tensors is pickled instead, several times slower for the same bytes
 (``python bench/weight_sync_ray.py``). So the trainer ranks, the supervisor and the engine actors pass
-`PackedWeights`: flat uint8 buckets (split where dtypes change alignment) with SGLang-style metadata.
+`PackedWeights`: uint8 numpy arrays with SGLang-style metadata -- flat buckets of device tensors (split
+where dtypes change alignment), or byte views of host tensors, one each.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from miles_agent.transports.core import TensorMeta, flat_buckets, pack, unpack
+from miles_agent.transports.core import TensorMeta, bucket_metadata, dtype_name, flat_buckets, pack, unpack
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -23,7 +24,7 @@ BUCKET_BYTES = 256 << 20  # GPU weights are packed on the device first: this bou
 
 @dataclass(frozen=True)
 class PackedWeights:
-    parts: list[tuple[Any, list[TensorMeta]]]  # (1-D uint8 numpy array, the tensors in it)
+    parts: list[tuple[Any, list[TensorMeta]]]  # (1-D uint8 numpy array, the tensors in it): a bucket or one tensor
 
     @property
     def nbytes(self) -> int:
@@ -44,15 +45,23 @@ class PackedWeights:
 
 def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], staging: list[Any] | None = None
                  ) -> PackedWeights:
-    """Copy the tensors (on any device) into host byte buffers: packed where they are, then one copy
-    to host per bucket. With ``staging`` (a list the caller keeps), host buffers are reused from one call
-    to the next: a fresh 200 MB buffer costs as much in page faults as the copy itself. The result then
-    aliases those buffers: ``ray.put`` it (which copies) before packing again."""
+    """The tensors as host byte buffers. Device tensors are packed where they are, then copied to host
+    once per bucket; with ``staging`` (a list the caller keeps), host buffers are reused from one call to
+    the next (a fresh 200 MB buffer costs as much in page faults as the copy itself). Host tensors are not
+    copied at all: each is a part of its own, a byte view of the tensor -- packing them first was a third
+    memcpy on a path whose floor is two (``ray.put`` into the store, the engine's load out of it).
+    Either way the result aliases memory that changes later (the staging buffers, the trainer's own
+    tensors): ``ray.put`` it (which copies) right away, before packing again or training."""
     import torch
 
     parts = []
     for i, bucket in enumerate(flat_buckets(((n, t.detach()) for n, t in named_tensors), BUCKET_BYTES)):
         device = bucket[0][1].device
+        if device.type == "cpu":  # no copy at all: each tensor's bytes as they are (ray.put copies them once)
+            for name, t in bucket:
+                flat = t.contiguous().reshape(-1).view(torch.uint8)
+                parts.append((flat.numpy(), bucket_metadata([name], [dtype_name(t)], [list(t.shape)])))
+            continue
         host = None
         if staging is not None:
             nbytes = sum(t.numel() * t.element_size() for _, t in bucket)

@@ -35,6 +35,7 @@ class ActorReceiver:
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
+        self._buckets: dict[str, int] = {}  # per group: buckets announced since it formed (the actor's turn order)
 
     async def pause_generation(self, mode: str = "in_place") -> None:
         await self.actor.pause_generation.remote(mode)
@@ -47,13 +48,16 @@ class ActorReceiver:
                                         backend: str = "nccl") -> None:
         await self.actor.init_weights_update_group.remote(master_address, master_port, rank_offset, world_size,
                                                           group_name, backend)
+        self._buckets[group_name] = 0
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
                                               weight_version: str | None = None,
                                               load_format: str | None = None) -> None:
+        bucket = self._buckets.get(group_name, 0)  # numbered when announced, before the call is awaited
+        self._buckets[group_name] = bucket + 1
         await self.actor.update_weights_from_distributed.remote(names, dtypes, shapes, group_name, flush_cache,
-                                                                weight_version, load_format)
+                                                                weight_version, load_format, bucket)
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         await self.actor.destroy_weights_update_group.remote(group_name)

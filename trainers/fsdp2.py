@@ -250,7 +250,10 @@ class FSDP2Trainer(lora_mod.LoraSteps, PolicyTrainer):
             local = t.to_local() if isinstance(t, DTensor) else t
             key = (local.data_ptr(), tuple(t.shape))
             if key not in seen:
-                full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+                if isinstance(t, DTensor) and t.device_mesh.size() > 1:
+                    full = t.full_tensor()
+                else:  # one rank holds it all: its local tensor is the full one (a gather would only copy it)
+                    full = local.detach()
                 seen[key] = full.to(self.compute_dtype) if full.is_floating_point() else full
             yield name, seen[key]
 

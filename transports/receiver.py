@@ -74,6 +74,12 @@ class InProcessReceiver:
         self._shared: Any = None  # the last shared buffer, kept so its mapping is reused by the next bucket
         self._recv_buffer: Any = None  # flat receive buffer reused across buckets (no page faults per bucket)
         self._paused = False
+        # One receive at a time per group, in announcement order: the sender announces bucket n+1 while
+        # bucket n is still being received, and two threads in collectives on one gloo group match the wrong
+        # messages (gloo aborts the process: "Received data size doesn't match expected size").
+        self._next_bucket: dict[str, int] = {}  # per group: the bucket whose turn it is
+        self._arrived: dict[str, int] = {}  # per group: calls that came without a number (numbered on arrival)
+        self._turn = asyncio.Condition()
 
     @property
     def weight_version(self) -> int:
@@ -122,36 +128,70 @@ class InProcessReceiver:
                                   "destroy it first (destroy_weights_update_group)")
         self._groups[group_name] = await asyncio.to_thread(
             init_custom_process_group, backend, master_address, master_port, rank_offset, world_size, group_name)
+        self._next_bucket[group_name] = self._arrived[group_name] = 0
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
                                               weight_version: str | None = None,
-                                              load_format: str | None = None) -> None:
+                                              load_format: str | None = None, bucket: int | None = None) -> None:
+        """``bucket``: the announcement's number since the group formed, where calls may start out of order
+        (a Ray actor); without it, calls are numbered as they arrive."""
         import torch.distributed as dist
 
         if group_name not in self._groups:
             raise WeightSyncError(f"no weight update group {group_name!r} on this engine; call "
                                   "init_weights_update_group first")
+        if load_format not in ("flattened_bucket", None):
+            raise WeightSyncError(f"update_weights_from_distributed: unknown load_format {load_format!r}")
         group = self._groups[group_name]
-        if load_format == "flattened_bucket":
-            metas = bucket_metadata(names, dtypes, shapes)
-            flat = self._flat_buffer(metas[-1].end_idx if metas else 0)
-            await asyncio.to_thread(dist.broadcast, flat, 0, group)
-            items = unpack(flat, metas)
-        elif load_format is None:  # one broadcast per tensor, in the announced order
+        if bucket is None:
+            bucket = self._arrived[group_name]
+            self._arrived[group_name] += 1
+        await self._wait_turn(group_name, bucket)
+        try:
+            if load_format == "flattened_bucket":  # the flat buffer is reused: loaded before the next receive
+                metas = bucket_metadata(names, dtypes, shapes)
+                flat = self._flat_buffer(metas[-1].end_idx if metas else 0)
+                await asyncio.to_thread(dist.broadcast, flat, 0, group)
+                await self._load(unpack(flat, metas), weight_version)
+                return
+            # One broadcast per tensor, in the announced order, into this call's own destinations.
             destinations, items = self._destinations(bucket_metadata(names, dtypes, shapes, flat=False), self.device)
 
             def receive() -> None:
                 for _, t in destinations:
                     dist.broadcast(t, 0, group)
             await asyncio.to_thread(receive)
-        else:
-            raise WeightSyncError(f"update_weights_from_distributed: unknown load_format {load_format!r}")
+        finally:
+            await self._end_turn(group_name, bucket)  # the next bucket's receive overlaps this one's load
         await self._load(items, weight_version)
+
+    async def _wait_turn(self, group_name: str, bucket: int, timeout_s: float = 600.0) -> None:
+        async with self._turn:
+            try:
+                await asyncio.wait_for(self._turn.wait_for(
+                    lambda: self._next_bucket.get(group_name, bucket) == bucket), timeout_s)
+            except TimeoutError:
+                raise WeightSyncError(f"bucket {bucket} of weight-update group {group_name!r} waited {timeout_s:.0f} s "
+                                      f"for bucket {self._next_bucket.get(group_name)}, which never came; the "
+                                      "sender's broadcast broke off (its error says why)") from None
+            if group_name not in self._next_bucket:
+                raise WeightSyncError(f"weight-update group {group_name!r} was destroyed while bucket {bucket} "
+                                      "waited for its turn")
+
+    async def _end_turn(self, group_name: str, bucket: int) -> None:
+        async with self._turn:
+            if group_name in self._next_bucket:
+                self._next_bucket[group_name] = bucket + 1
+            self._turn.notify_all()
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         from miles_agent.transports.groups import destroy_group
 
+        async with self._turn:  # buckets still waiting for their turn in this group fail now
+            self._next_bucket.pop(group_name, None)
+            self._arrived.pop(group_name, None)
+            self._turn.notify_all()
         group = self._groups.pop(group_name, None)
         if group is None:
             raise WeightSyncError(f"no weight update group {group_name!r} to destroy")

@@ -4,21 +4,20 @@ Why: a small model on a CPU (or any model at a small batch) is dispatch-bound --
 of a decode step launching tiny ops (an RMSNorm is six, RoPE eight, each projection its own matmul).
 This forward runs the same arithmetic with fewer launches:
 
-- q, k and v are one matmul, and so are the MLP's gate and up (their weights concatenated), each
-  weight stored transposed (``x @ w_t``: the GEMM layout a CPU runs fastest at a few rows);
+- q, k and v are one matmul, and so are the MLP's gate and up (their weights concatenated);
 - the q- and k-norms run as one ``rms_norm`` over all heads, then each head's weight;
 - RoPE reads a cos / sin table built once by the model's own rotary module (every position it will
   serve), and ``rotate_half(x) * sin`` becomes ``roll(x) * sin`` with sin's first half negated;
 - modules are not called: their weights are read directly.
 
 Every elementwise op is HF's, in HF's order (``rms_norm`` is bitwise HF's RMSNorm in fp32; other dtypes
-use HF's formula); the matmuls compute the same dot products in another kernel, so logits match the
-module path to float rounding (tests/perf_engine/test_fused_forward.py pins the tolerance).
+use HF's formula), and a concatenated matmul computes each output from the same row of weights; only
+the decode attention kernel differs (model_runner's ``_bmm_attention``), so logits match the module path
+to float rounding (tests/perf_engine/test_fused_forward.py pins the tolerance).
 
-Weights stay the model's: after fusing, each projection's ``weight`` is a (transposed) view into its
-fused tensor, so a
-weight sync that copies into ``q_proj.weight`` (by name, by any transport, in place) updates the fused
-tensor too -- nothing can go stale. Anything that gives a parameter new storage instead (``model.to``
+Weights stay the model's: after fusing, each projection's ``weight`` is a contiguous view into its fused
+tensor, so a weight sync that copies (or receives) into ``q_proj.weight`` by name, by any transport,
+updates the fused tensor too -- nothing can go stale. Anything that gives a parameter new storage instead (``model.to``
 moving it off the device and back) breaks the aliasing; every forward checks it (a data pointer per
 projection) and re-fuses when it is broken.
 
@@ -75,44 +74,46 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tens
 
 
 class _FusedBlock:
-    """One projection group (or a single projection) as one transposed weight ``[in, sum of outs]``, whose
-    column blocks are the modules' weights: ``x @ weight_t`` is one matmul, and in the layout a CPU GEMM
-    runs fastest at a few rows (an untransposed ``F.linear`` weight was 1.3-3x slower at 16 rows here)."""
+    """One projection group (or a single projection) as one weight whose row blocks are the modules'
+    weights: one matmul for the group. The blocks stay contiguous, so a weight sync receives straight into
+    them (a transposed layout ran the GEMM faster at a few rows but made every sync a strided copy)."""
 
     def __init__(self, modules: list[nn.Linear]) -> None:
         self.modules = modules
-        self.weight_t, self.bias = self._fuse()
+        self.weight, self.bias = self._fuse()
 
     @torch.no_grad()
     def _fuse(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if len(self.modules) == 1:  # nothing to concatenate: the module's own tensors
+            return self.modules[0].weight, self.modules[0].bias
         with torch.inference_mode(False):  # the fused tensor must accept later in-place syncs
-            weight_t = torch.cat([m.weight.detach().t() for m in self.modules], dim=1).contiguous()
+            weight = torch.cat([m.weight.detach() for m in self.modules])
             bias = None if self.modules[0].bias is None else torch.cat([m.bias.detach() for m in self.modules])
-            col = 0
+            row = 0
             for m in self.modules:
                 n = m.weight.shape[0]
-                m.weight.data = weight_t[:, col: col + n].t()
+                m.weight.data = weight[row: row + n]
                 if bias is not None:
-                    m.bias.data = bias[col: col + n]
-                col += n
-        return weight_t, bias
+                    m.bias.data = bias[row: row + n]
+                row += n
+        return weight, bias
 
     def aliased(self) -> bool:
-        base, item, col = self.weight_t.data_ptr(), self.weight_t.element_size(), 0
+        if len(self.modules) == 1:
+            return self.modules[0].weight is self.weight
+        base, step, row = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size(), 0
         for m in self.modules:
-            w = m.weight
-            if w.data_ptr() != base + col * item or w.stride() != (1, self.weight_t.shape[1]):
+            if m.weight.data_ptr() != base + row * step or not m.weight.is_contiguous():
                 return False
-            col += w.shape[0]
+            row += m.weight.shape[0]
         return self.bias is None or self.modules[0].bias.data_ptr() == self.bias.data_ptr()
 
     def refresh(self) -> None:
         if not self.aliased():
-            self.weight_t, self.bias = self._fuse()
+            self.weight, self.bias = self._fuse()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = x @ self.weight_t
-        return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
 
 
 class FusedDecoder:

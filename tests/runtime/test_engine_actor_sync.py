@@ -61,3 +61,4 @@ def test_sync_weights_with_a_bad_tensor_changes_nothing(tiny):
         asyncio.run(actor.sync_weights(bad, 1))
     assert actor.engine.weight_version == 0 and actor.engine._paused  # as the four separate calls left it
     assert all(torch.equal(before[k], v) for k, v in actor.engine.model.state_dict().items())
+
