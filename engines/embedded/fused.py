@@ -1,4 +1,4 @@
-"""The embedded engine's fused decoder forward: the same Qwen3 math in about a third of the torch calls.
+"""The embedded engine's fused decoder forward: the same Qwen3 math in about half the torch calls.
 
 Why: a small model on a CPU (or any model at a small batch) is dispatch-bound -- HF's modules spend most
 of a decode step launching tiny ops (an RMSNorm is six, RoPE eight, each projection its own matmul).

@@ -4,7 +4,10 @@ Why not call the HF module's ``forward``: continuous batching needs a per-sequen
 sequences join and leave at every step, with a different length per row; HF's cache classes are
 built for one ``generate`` call. So the runner re-implements the decoder loop, calling HF's own
 leaf modules (linear layers, RMSNorms, rotary embedding, the sparse-MoE router and experts) so the
-fp32 numerics match HF's forward. Attention is SDPA with an explicit mask.
+fp32 numerics match HF's forward. A text Qwen3 runs the same math fused into fewer torch calls
+(`miles_agent.engines.embedded.fused`) unless true on-policy mode or wrapped projections forbid it.
+Attention is SDPA with an explicit mask or, over the cache in fp32 on a CPU, two batched matmuls
+(`_bmm_attention`).
 
 The cache is preallocated per slot -- values ``[layers, slots, kv_heads, capacity, head_dim]``, keys
 transposed, ``[layers, slots, kv_heads, head_dim, capacity]``, so a decode step's ``q @ k^T`` streams

@@ -72,8 +72,9 @@ def _nucleus(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tens
 def _inverse_cdf(probs: torch.Tensor, kept: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
     """Index ``i`` with probability ``probs[i] / mass`` among the first ``kept`` of each row (all when None).
 
-    In float64 the target ``u * mass`` (u < 1 a float32) is exact and strictly below the mass, so the
-    first cumulative sum above it is always a token with nonzero probability inside the kept prefix."""
+    The target ``u * mass`` stays strictly below the mass: u is a float32 (at most 1 - 2^-24) and the
+    product's float64 rounding is far finer than that gap. So the first cumulative sum above it is always
+    a token with nonzero probability inside the kept prefix."""
     cdf = probs.double().cumsum(dim=-1)
     mass = cdf[:, -1:] if kept is None else cdf.gather(1, (kept - 1)[:, None])
     return torch.searchsorted(cdf, u[:, None] * mass, right=True)[:, 0]
