@@ -9,7 +9,9 @@
    too: other jobs disturb them far less than wall time.
 2. The same from a trainer-sized process (``--resident-gib``, default 2 GiB touched): spawning must
    not copy the caller's page tables (a fork instead of a vfork costs ~150 ms per command at 4 GiB).
-3. Episode throughput: 32 sandboxes at once, each start -> 3 execs -> stop; episodes per second.
+3. Episode throughput: 32 sandboxes at once, each start -> 3 execs -> stop; episodes per second. Then
+   how the cost grows: throughput at 1, 8, 32 and 128 concurrent sandboxes, and the time per episode at
+   1, 3 and 10 commands each.
 
     python bench/sandbox_overhead.py           # ~30 s
     python bench/sandbox_overhead.py --quick   # a few seconds
@@ -144,6 +146,14 @@ def main() -> None:
     for name in isolations:
         rate = asyncio.run(episodes_per_second(name, total, 32, 3))
         print(f"  local sandbox {name:<6}  {rate:7.1f} episodes/s")
+
+    # How the cost grows: throughput against concurrent sandboxes, and wall time against commands per episode.
+    name = isolations[0]
+    print(f"cost vs concurrency ({name}, {total // 2} episodes of 3 execs): "
+          + "  ".join(f"{c}: {asyncio.run(episodes_per_second(name, total // 2, c, 3)):.1f}/s" for c in (1, 8, 32, 128)))
+    print(f"cost vs commands per episode ({name}, 32 concurrent, {total // 2} episodes): "
+          + "  ".join(f"{n}: {1e3 / asyncio.run(episodes_per_second(name, total // 2, 32, n)):.1f} ms/episode"
+                      for n in (1, 3, 10)))
 
 
 if __name__ == "__main__":

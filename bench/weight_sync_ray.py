@@ -15,7 +15,8 @@ under the `EngineSupervisor`, with a Qwen3-shaped model (random init). Per repea
 A ratio is baseline time / path time (= path bandwidth / raw bandwidth). The first push of each path
 runs with the checksum check on (and must pass); timed pushes run without it.
 
-    python bench/weight_sync_ray.py            # ~200 MiB of fp32 weights, 5 repeats
+    python bench/weight_sync_ray.py            # ~20, ~50 and ~200 MiB of fp32 weights, 5 repeats each;
+                                               # the ratios are the ~200 MiB run's, the table shows the rest
     python bench/weight_sync_ray.py --quick    # ~20 MiB, 3 repeats
 """
 
@@ -84,19 +85,8 @@ def build_model(hidden: int, layers: int):  # noqa: ANN201
     return Qwen3ForCausalLM(cfg), tok
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--json", help="also write the results here")
-    args = p.parse_args()
-    hidden, layers = (256, 6) if args.quick else (1024, 4)
-    repeats = args.repeats or (3 if args.quick else 5)
-
-    from miles_agent.runtime.ray_cluster import loopback_only
-
-    loopback_only()
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+def measure(hidden: int, layers: int, repeats: int) -> tuple[int, int, dict, dict]:
+    """One model size on a running Ray: (bytes, tensors, ratios per path, (raw, ours) seconds per path)."""
     import ray
 
     from miles_agent.config import AlgoConfig, TrainConfig
@@ -106,7 +96,6 @@ def main() -> None:
     from miles_agent.runtime.supervisor import EngineSupervisor
     from miles_agent.runtime.trainer_actor import RayTrainerGroup
 
-    ray.init(address="local", include_dashboard=False, num_cpus=8, log_to_driver=False)
     model, tok = build_model(hidden, layers)
     shapes = [tuple(t.shape) for t in model.state_dict().values()]
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -134,6 +123,8 @@ def main() -> None:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
+
+    seconds: dict[str, list[tuple[float, float]]] = {}  # per label: (raw, ours) per repeat
 
     async def run() -> dict:
         version = 0
@@ -163,14 +154,44 @@ def main() -> None:
                 seconds.setdefault(label, []).append((base, ours))
         return ratios
 
-    seconds: dict[str, list[tuple[float, float]]] = {}  # per label: (raw, ours) per repeat
     try:
         ratios = asyncio.run(run())
     finally:
         group.close()
         sup.kill()
+        for peer in peers:
+            ray.kill(peer)
+    return nbytes, len(shapes), ratios, seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    # The goal's figures come from the last (largest) size; the smaller ones show how the cost grows.
+    sizes = [(256, 6)] if args.quick else [(256, 6), (512, 4), (1024, 4)]
+    repeats = args.repeats or (3 if args.quick else 5)
+
+    from miles_agent.runtime.ray_cluster import loopback_only
+
+    loopback_only()
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    import ray
+
+    ray.init(address="local", include_dashboard=False, num_cpus=8, log_to_driver=False)
+    try:
+        runs = [measure(hidden, layers, repeats) for hidden, layers in sizes]
+    finally:
         ray.shutdown()
-    print(f"weights: {nbytes / 2**20:.0f} MiB fp32 ({len(shapes)} tensors), {repeats} repeats, "
+    print("cost vs bytes (median ms per push, raw / ours):")
+    for nbytes, _, _, seconds in runs:
+        cells = [f"{label.split(' /')[0]} {statistics.median(r for r, _ in s) * 1e3:6.1f} / "
+                 f"{statistics.median(o for _, o in s) * 1e3:6.1f}" for label, s in seconds.items()]
+        print(f"  {nbytes / 2**20:6.0f} MiB   " + "   ".join(cells))
+    nbytes, tensors, ratios, seconds = runs[-1]
+    print(f"weights: {nbytes / 2**20:.0f} MiB fp32 ({tensors} tensors), {repeats} repeats, "
           f"load average {os.getloadavg()[0]:.1f}")
     result = {"bytes": nbytes, "repeats": repeats, "ratios": {}}
     for label, r in ratios.items():
