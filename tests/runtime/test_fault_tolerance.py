@@ -106,7 +106,9 @@ def test_engines_killed_mid_rollout_lose_no_task(ray_session, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_twenty_engine_kills_lose_no_task(ray_session, tmp_path):
-    run_under_fire(ray_session, tmp_path, kills=20, per_step=2, spare_steps=3)
+    # Spare steps for the kills a rollout ended too soon for: since the engine got faster (2026-12-06) the
+    # second kill of a step often finds no engine busy (the other one finished the step meanwhile).
+    run_under_fire(ray_session, tmp_path, kills=20, per_step=2, spare_steps=10)
 
 
 def test_a_dead_trainer_rank_leaves_a_checkpoint_the_run_resumes_from(ray_session, tmp_path):
