@@ -51,6 +51,11 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def _run_start(slots: list[int]) -> int | None:
+    """The first slot when ``slots`` are consecutive (the cache is then read through a view), else None."""
+    return slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None
+
+
 class VisionInputs:
     """One prompt's image inputs for the runner: M-RoPE positions ``rope`` [3, prompt_len], the ``delta`` of
     positions after the prompt, and the image columns with their features (and DeepStack features)."""
@@ -205,6 +210,21 @@ class ModelRunner:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
                                               enable_gqa=group > 1)
 
+    def _attend_cached(self, i: int, q: torch.Tensor, slot_idx: torch.Tensor, first: int | None, span: int,
+                       bias: torch.Tensor | None, mask: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s attention of ``q`` over the first ``span`` cached positions of its slots: read
+        through a view when the slots are a run starting at ``first`` (the engine hands out the lowest
+        free slots, so they usually are; the gather was a quarter of a decode step), else gathered."""
+        if first is not None:
+            keys_t = self.k_cache[i, first: first + q.shape[0], ..., :span]
+            values = self.v_cache[i, first: first + q.shape[0], :, :span]
+        else:
+            keys_t = self.k_cache[i, ..., :span].index_select(0, slot_idx)
+            values = self.v_cache[i, :, :, :span].index_select(0, slot_idx)
+        if bias is not None:
+            return self._bmm_attention(q, keys_t, values, bias)
+        return self._sdpa(q, keys_t.transpose(-1, -2), values, mask, q_pos)
+
     def _bias(self, visible: torch.Tensor, length: int) -> torch.Tensor:
         """`_bmm_attention`'s additive mask from a boolean one [B, 1, T or 1, span]: one row per (sequence,
         kv head), and per query row of the kv head's group when there are several queries (prefill)."""
@@ -257,21 +277,12 @@ class ModelRunner:
             w_slot, w_pos = slot_idx[valid_b], positions[valid_b, valid_t]
             mask = (torch.arange(span, device=self.device)[None, None] <= positions[:, :, None])[:, None]
             bias = self._bias(mask, length) if self.bmm_attention and not self.exact else None
-            lo = slots[0]
-            contiguous = slots == list(range(lo, lo + batch))
+            first = _run_start(slots)
 
             def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 self.k_cache[i, w_slot, :, :, w_pos] = k.transpose(1, 2)[valid_b, valid_t]
                 self.v_cache[i, w_slot, :, w_pos] = v.transpose(1, 2)[valid_b, valid_t]
-                if contiguous:
-                    keys_t = self.k_cache[i, lo: lo + batch, ..., :span]
-                    values = self.v_cache[i, lo: lo + batch, :, :span]
-                else:
-                    keys_t = self.k_cache[i, ..., :span].index_select(0, slot_idx)
-                    values = self.v_cache[i, :, :, :span].index_select(0, slot_idx)
-                if bias is not None:
-                    return self._bmm_attention(q, keys_t, values, bias)
-                return self._sdpa(q, keys_t.transpose(-1, -2), values, mask, positions)
+                return self._attend_cached(i, q, slot_idx, first, span, bias, mask, positions)
         else:
             causal = torch.ones((length, length), dtype=torch.bool, device=self.device).tril()
             mask = (causal[None] & (positions < lens[:, None])[:, None, :])[:, None]  # [B, 1, T, T]
@@ -316,29 +327,17 @@ class ModelRunner:
         pos = torch.tensor(positions, device=self.device)
         span = max(positions) + 1
         self.ensure_capacity(max(slots) + 1, span)
-        batch = len(slots)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         visible = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [B, span]
         slot_idx = torch.tensor(slots, device=self.device)
         bias = self._bias(visible[:, None, None], 1) if self.bmm_attention and not self.exact else None
 
-        # The engine hands out the lowest free slots, so a decode batch is usually a run of slots: then
-        # the cache is read through a view instead of gathered (the gather was a quarter of a step).
-        lo = slots[0]
-        contiguous = slots == list(range(lo, lo + batch))
+        first = _run_start(slots)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self.k_cache[i, slot_idx, :, :, pos] = k[:, :, 0]
             self.v_cache[i, slot_idx, :, pos] = v[:, :, 0]
-            if contiguous:
-                keys_t = self.k_cache[i, lo: lo + batch, ..., :span]
-                values = self.v_cache[i, lo: lo + batch, :, :span]
-            else:
-                keys_t = self.k_cache[i, ..., :span].index_select(0, slot_idx)
-                values = self.v_cache[i, :, :, :span].index_select(0, slot_idx)
-            if bias is not None:
-                return self._bmm_attention(q, keys_t, values, bias)
-            return self._sdpa(q, keys_t.transpose(-1, -2), values, visible[:, None, None, :], pos[:, None])
+            return self._attend_cached(i, q, slot_idx, first, span, bias, visible[:, None, None, :], pos[:, None])
 
         routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
         rope = None
