@@ -66,6 +66,10 @@ _ids = itertools.count()
 class EmbeddedEngine:
     """In-process rollout engine with its own KV cache and continuous batching (see module docstring).
 
+    ``cpu_kernels``: run the forward through the compiled CPU kernels (`cpu_kernels.py`; ~2x faster decode
+    steps for a small model on a CPU): None (default) wherever they apply -- fp32 on a CPU, not true on-policy
+    mode -- and build; False never; True or an error saying why they can't.
+
     ``stats`` counts decode steps and decoded sequences (their ratio is ``mean_decode_batch``), prefill
     batches / sequences / tokens (tokens computed), prompt tokens admitted and the ones the prefix cache
     supplied, generated tokens, retractions and failed steps. ``eos_ids`` are the
@@ -82,7 +86,7 @@ class EmbeddedEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_batch_size: int = 128,
                  device: str | torch.device = "cpu", max_seq_len: int | None = None,
                  weight_version: int = 0, true_on_policy: bool = False,
-                 prefix_cache_bytes: int = 1 << 30) -> None:
+                 prefix_cache_bytes: int = 1 << 30, cpu_kernels: bool | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefix_cache_bytes < 0:
@@ -98,7 +102,8 @@ class EmbeddedEngine:
             from miles_agent import true_on_policy as exact
 
             exact.apply(model)
-        self.runner = ModelRunner(model, self.device, max_seq_len, max_batch_size, exact=true_on_policy)
+        self.runner = ModelRunner(model, self.device, max_seq_len, max_batch_size, exact=true_on_policy,
+                                  cpu_kernels=cpu_kernels)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len

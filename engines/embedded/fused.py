@@ -29,6 +29,7 @@ kernels), and vision-language models keep the module path (`ModelRunner._forward
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,11 @@ def fusable(model: nn.Module, layers: list[nn.Module]) -> str | None:
         if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
             return f"layer {i}: the q- and k-norms have different epsilons"
     return None
+
+
+def _is_silu(act: nn.Module) -> bool:
+    """torch's SiLU or transformers' ``SiLUActivation`` (what ``hidden_act="silu"`` builds): both are F.silu."""
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -132,7 +138,8 @@ class FusedDecoder:
         self.o = [_FusedBlock([a.o_proj]) for a in attn]
         self.gate_up = [None if m is None else _FusedBlock([m.gate_proj, m.up_proj]) for m in dense]
         self.down = [None if m is None else _FusedBlock([m.down_proj]) for m in dense]
-        self.silu = [m is not None and isinstance(m.act_fn, nn.SiLU) for m in dense]
+        self.silu = [m is not None and _is_silu(m.act_fn) for m in dense]
+        self._kernel_mlp = self.kernel_blocks()
         self._table: torch.Tensor | None = None  # [positions, 2, head_dim]: cos, sin with its first half negated
         self._table_key: tuple = ()
 
@@ -160,6 +167,11 @@ class FusedDecoder:
     def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [B, T, 1, head_dim] at ``positions``, from a table the model's rotary module
         computed (elementwise, so each entry is bitwise what it returns for that position)."""
+        cs = self._rope_table(positions, like)[positions]  # [B, T, 2, D]
+        return cs[:, :, 0, None], cs[:, :, 1, None]
+
+    def _rope_table(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """[positions, 2, head_dim]: cos, and sin with its first half negated, covering ``positions``."""
         needed = int(positions.max()) + 1
         rotary = self.decoder.rotary_emb
         key = (like.dtype, like.device, rotary.inv_freq.data_ptr(), rotary.inv_freq._version)
@@ -170,8 +182,7 @@ class FusedDecoder:
             half = self.head_dim // 2
             signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
             self._table, self._table_key = torch.stack((cos[0], signed), dim=1), key
-        cs = self._table[positions]  # [B, T, 2, D]
-        return cs[:, :, 0, None], cs[:, :, 1, None]
+        return self._table
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, routing: list | None,
                 moe_mlp: MLP) -> torch.Tensor:
@@ -204,4 +215,36 @@ class FusedDecoder:
             gate, up = gate_up(x).chunk(2, dim=-1)
             act = F.silu(gate) if self.silu[i] else layer.mlp.act_fn(gate)
             h = h + self.down[i](act * up)
+        return h
+
+    def kernel_blocks(self) -> list[bool]:
+        """Per layer: whether `forward_rows` runs its MLP in the CPU kernel (dense, SiLU, no biases)."""
+        return [g is not None and self.silu[i] and g.bias is None and self.down[i].bias is None
+                for i, g in enumerate(self.gate_up)]
+
+    def forward_rows(self, kernels: Any, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, scaling: float, routing: list | None,
+                     moe_mlp: MLP) -> torch.Tensor:
+        """Hidden states (before the final norm) [N, hidden] for N token rows, token ``n`` of the sequence in
+        KV-cache slot ``slots[n]`` at ``positions[n]``, through the compiled CPU kernels (cpu_kernels.cpp):
+        no padding, keys and values written into the cache by the kernel. Rows of one sequence come in
+        position order. A MoE layer's MLP (and a dense one the kernel does not cover) runs in torch."""
+        self.refresh()
+        heads, kv = self.num_heads, self.num_kv_heads
+        h = F.embedding(ids, self.decoder.embed_tokens.weight)
+        rope = self._rope_table(positions, h)[positions]  # [N, 2, D]
+        for i, layer in enumerate(self.layers):
+            attn, norm, qkv, o = layer.self_attn, layer.input_layernorm, self.qkv[i], self.o[i]
+            h = kernels.attention_block(h, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias,
+                                        attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon,
+                                        rope, k_cache[i], v_cache[i], slots, positions, o.weight, o.bias,
+                                        scaling, heads, kv)
+            post = layer.post_attention_layernorm
+            if self._kernel_mlp[i]:
+                h = kernels.mlp_block(h, post.weight, post.variance_epsilon, self.gate_up[i].weight,
+                                      self.down[i].weight)
+                continue
+            x = _rms(h, post.weight, post.variance_epsilon)[:, None]  # [N, 1, hidden]: the MoE router's rows
+            mlp = moe_mlp(layer, x, routing) if self.gate_up[i] is None else layer.mlp(x)
+            h = h + mlp[:, 0]
         return h

@@ -5,7 +5,8 @@ sequences join and leave at every step, with a different length per row; HF's ca
 built for one ``generate`` call. So the runner re-implements the decoder loop, calling HF's own
 leaf modules (linear layers, RMSNorms, rotary embedding, the sparse-MoE router and experts) so the
 fp32 numerics match HF's forward. A text Qwen3 runs the same math fused into fewer torch calls
-(`miles_agent.engines.embedded.fused`) unless true on-policy mode or wrapped projections forbid it.
+(`miles_agent.engines.embedded.fused`) unless true on-policy mode or wrapped projections forbid it, and on a
+CPU in fp32 through compiled kernels over unpadded token rows (`cpu_kernels.cpp`) when they build.
 Attention is SDPA with an explicit mask or, over the cache in fp32 on a CPU, two batched matmuls
 (`_bmm_attention`).
 
@@ -79,7 +80,7 @@ class ModelRunner:
     """Prefill and batched decode over per-slot KV cache. Not thread-safe: one step at a time."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, max_seq_len: int, max_slots: int,
-                 exact: bool = False) -> None:
+                 exact: bool = False, cpu_kernels: bool | None = None) -> None:
         cfg = model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -117,6 +118,24 @@ class ModelRunner:
                                                                                                     self.layers)
         self.fused = (FusedDecoder(self.model, self.layers, self.head_dim, max_seq_len)
                       if self.unfused_reason is None else None)
+        # The compiled CPU kernels (cpu_kernels.cpp) run the fused forward over token rows: a CPU in fp32 only
+        # (None: wherever they apply and build; False: never; True: say why not when they can't).
+        self.kernels, self.kernels_reason = None, self._kernels_unavailable(cpu_kernels)
+        if self.kernels_reason is None:
+            from miles_agent.engines.embedded import cpu_kernels as compiled
+
+            self.kernels = compiled.load()
+            self.kernels_reason = None if self.kernels is not None else compiled.unavailable_reason()
+        if cpu_kernels and self.kernels is None:
+            raise ValueError(f"cpu_kernels=True but the embedded engine's CPU kernels cannot run here: "
+                             f"{self.kernels_reason}")
+
+    def _kernels_unavailable(self, wanted: bool | None) -> str | None:
+        if wanted is False:
+            return "turned off (cpu_kernels=False)"
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return f"they serve float32 on a CPU, not {self.dtype} on {self.device.type}"
+        return self.unfused_reason
 
     @property
     def is_moe(self) -> bool:
@@ -246,6 +265,22 @@ class ModelRunner:
         out = torch.bmm(scores.softmax(-1), values.reshape(batch * kv, span, dim))
         return out.view(batch, heads, length, dim)
 
+    def _use_kernels(self) -> bool:
+        """The compiled kernels serve this forward: loaded, and the fused forward still applies (no LoRA or
+        quantized wrapper installed since; true on-policy mode never loads them)."""
+        if self.kernels is None or self.fused is None:
+            return False
+        if not self.fused.intact():
+            self.fused, self.unfused_reason = None, "a projection was wrapped after the engine was built"
+            return False
+        return True
+
+    def _rows(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+              routing: list[torch.Tensor] | None) -> torch.Tensor:
+        """Hidden states [N, hidden] of N token rows through the compiled kernels (`FusedDecoder.forward_rows`)."""
+        return self.fused.forward_rows(self.kernels, ids, slots, positions, self.k_cache, self.v_cache,
+                                       self.scaling, routing, self._mlp)
+
     @staticmethod
     def _routing_rows(routing: list[torch.Tensor] | None) -> np.ndarray | None:
         if not routing:
@@ -264,6 +299,8 @@ class ModelRunner:
         are padding).
         """
         starts = starts or [0] * len(seqs)
+        if self._use_kernels() and not (vision and any(v is not None for v in vision)):
+            return self._prefill_rows(slots, seqs, starts, record_routing)
         lens = torch.tensor([len(s) for s in seqs], device=self.device)
         batch, length = len(seqs), max(len(s) for s in seqs)
         span = max(st + len(s) for st, s in zip(starts, seqs))
@@ -305,6 +342,26 @@ class ModelRunner:
         last = h[torch.arange(batch, device=self.device), lens - 1]
         return self._logits(last), self._routing_rows(routing)
 
+    def _prefill_rows(self, slots: list[int], seqs: list[list[int]], starts: list[int],
+                      record_routing: bool) -> tuple[torch.Tensor, np.ndarray | None]:
+        """`prefill` through the compiled kernels: the spans' tokens as rows, no padding."""
+        self.ensure_capacity(max(slots) + 1, max(st + len(s) for st, s in zip(starts, seqs)))
+        lens = [len(s) for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s], device=self.device)
+        rows_slot = torch.tensor([slot for slot, n in zip(slots, lens) for _ in range(n)], device=self.device)
+        rows_pos = torch.tensor([p for st, n in zip(starts, lens) for p in range(st, st + n)], device=self.device)
+        routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
+        h = self._rows(ids, rows_slot, rows_pos, routing)
+        ends = np.cumsum(lens)
+        logits = self._logits(h[torch.from_numpy(ends - 1)])
+        flat = self._routing_rows(routing)  # [N, 1, moe_layers, top_k]
+        if flat is None:
+            return logits, None
+        padded = np.zeros((len(seqs), max(lens), *flat.shape[2:]), dtype=flat.dtype)  # prefill's [B, T_max, ...]
+        for b, (n, end) in enumerate(zip(lens, ends)):
+            padded[b, :n] = flat[end - n: end, 0]
+        return logits, padded
+
     @torch.inference_mode()
     def write_prefix(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy a cached prefix's KV ``[layers, kv_heads, n, head_dim]`` into positions ``0:n`` of a slot."""
@@ -327,6 +384,12 @@ class ModelRunner:
         pos = torch.tensor(positions, device=self.device)
         span = max(positions) + 1
         self.ensure_capacity(max(slots) + 1, span)
+        routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
+        if self._use_kernels() and not (rope_deltas and any(rope_deltas)):
+            h = self._rows(torch.tensor(tokens, device=self.device), torch.tensor(slots, device=self.device), pos,
+                           routing)
+            rows = self._routing_rows(routing)
+            return self._logits(h), (None if rows is None else rows[:, 0])
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         visible = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [B, span]
         slot_idx = torch.tensor(slots, device=self.device)
@@ -339,7 +402,6 @@ class ModelRunner:
             self.v_cache[i, slot_idx, :, pos] = v[:, :, 0]
             return self._attend_cached(i, q, slot_idx, first, span, bias, visible[:, None, None, :], pos[:, None])
 
-        routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
         rope = None
         if rope_deltas and any(rope_deltas):  # after an image, M-RoPE positions run ahead of (or behind) the cache
             rope = (pos + torch.tensor(rope_deltas, device=self.device))[:, None]

@@ -4,6 +4,7 @@
   and decode logits, dense and MoE, contiguous and scattered slots.
 - Its weights are the model's: a by-name sync, a storage swap (``model.to`` off the device and back) and a
   projection wrapped after the engine was built all show up in the next forward.
+- The same through the compiled CPU kernels (cpu_kernels.cpp), which are on by default on a CPU in fp32.
 - Attention over the transposed key cache as two batched matmuls against SDPA's kernel.
 - The sampler's per-request uniforms: a block is the same numbers as one draw per step.
 """
@@ -36,6 +37,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def require_cpu_kernels() -> None:
+    """Skip where no C++ toolchain could build the kernels; where one is, a failed build fails the test."""
+    from miles_agent.engines.embedded import cpu_kernels
+
+    if cpu_kernels.toolchain_missing():
+        pytest.skip(f"{cpu_kernels.toolchain_missing()}: the engine runs its torch forward")
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable_reason()
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -72,9 +82,14 @@ def both_paths(runner, slots, seqs) -> tuple[list[torch.Tensor], list[torch.Tens
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("slots", [[0, 1, 2], [5, 1, 3]], ids=["contiguous", "scattered"])
-def test_fused_forward_matches_the_module_forward(models, arch, slots):
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-kernels"])
+def test_fused_forward_matches_the_module_forward(models, arch, slots, kernels):
+    """The fused forward in torch, and through the compiled CPU kernels (cpu_kernels.cpp), against HF's modules."""
+    if kernels:
+        require_cpu_kernels()
     model, tok = models[arch]
-    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=8)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=8, cpu_kernels=kernels)
+    assert (engine.runner.kernels is not None) == kernels
     fast, reference = both_paths(engine.runner, slots, prompts(3, 20, seed=1))
     for a, b in zip(fast, reference):
         assert torch.allclose(a, b, atol=TOL, rtol=0), (a - b).abs().max()
@@ -82,7 +97,7 @@ def test_fused_forward_matches_the_module_forward(models, arch, slots):
 
 def test_bmm_attention_matches_sdpa(models):
     model, tok = models["tiny-qwen3"]
-    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=8)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=8, cpu_kernels=False)
     runner, seqs = engine.runner, prompts(4, 30, seed=2)
     assert runner.bmm_attention  # fp32 on the CPU
     fast = run_steps(runner, [4, 0, 2, 6], seqs)
@@ -98,9 +113,12 @@ def perturbed(model: torch.nn.Module, scale: float) -> list[tuple[str, torch.Ten
             if "proj" in n]
 
 
-def test_a_weight_sync_reaches_the_fused_weights(models):
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-kernels"])
+def test_a_weight_sync_reaches_the_fused_weights(models, kernels):
+    if kernels:
+        require_cpu_kernels()
     model, tok = models["tiny-qwen3"]
-    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=4)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=4, cpu_kernels=kernels)
     seqs = prompts(2, 16, seed=4)
     before = run_steps(engine.runner, [0, 1], seqs)[-1]
     asyncio.run(engine.update_weights(perturbed(model, 0.05), version=1))
@@ -109,11 +127,14 @@ def test_a_weight_sync_reaches_the_fused_weights(models):
     assert torch.allclose(fast[-1], reference[-1], atol=TOL, rtol=0)  # ...in the fused path too
 
 
-def test_new_parameter_storage_is_refused_again(models):
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-kernels"])
+def test_new_parameter_storage_is_refused_again(models, kernels):
     """``model.to`` off the device and back gives every parameter new storage: the next forward re-fuses
     from it instead of reading the old fused tensors."""
+    if kernels:
+        require_cpu_kernels()
     model, tok = models["tiny-qwen3"]
-    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=4)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=4, cpu_kernels=kernels)
     runner, seqs = engine.runner, prompts(2, 16, seed=5)
     new = dict(perturbed(model, 0.05))
     with torch.no_grad():
@@ -143,6 +164,7 @@ def test_a_projection_wrapped_later_turns_the_fused_path_off(models):
     sampling = SamplingParams(max_new_tokens=6, temperature=0, lora_path="a")
     out = asyncio.run(engine.generate(prompts(1, 12, seed=6)[0], sampling))
     assert engine.runner.fused is None and "wrapped" in engine.runner.unfused_reason
+    assert not engine.runner._use_kernels()  # the kernels read the fused weights: off too
     base = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=4)
     plain = asyncio.run(base.generate(prompts(1, 12, seed=6)[0], SamplingParams(max_new_tokens=6, temperature=0)))
     assert out.output_logprobs != plain.output_logprobs
