@@ -11,10 +11,13 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <cstdint>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -46,114 +49,118 @@ inline vec8 load8(const float* p) {
 }
 inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
 
-// scores[g * stride + s] = scale * (q[g] . key[s]) for a kv head's G queries against its keys (transposed,
-// [d, capacity]) at positions 0..span-1: 32 positions at a time, each key row read once for all G queries.
-template <int G>
-void group_scores(const float* q, const float* keys, int64_t capacity, int64_t d, int64_t span, float scale,
-                  float* scores, int64_t stride) {
+// out[r][s] = scale * (q[r] . key[s]) for R query rows against one kv head's keys (transposed, [d, capacity])
+// at positions 0..span-1: 32 positions at a time, each key row read once for all R queries.
+template <int R>
+void tile_scores(const float* const* q, const float* keys, int64_t capacity, int64_t d, int64_t span, float scale,
+                 float* const* out) {
   constexpr int kVecs = 4;
   int64_t s0 = 0;
   for (; s0 + 8 * kVecs <= span; s0 += 8 * kVecs) {
-    vec8 acc[G][kVecs] = {};
+    vec8 acc[R][kVecs] = {};
     for (int64_t i = 0; i < d; ++i) {
       const float* row = keys + i * capacity + s0;
       vec8 k[kVecs];
       for (int w = 0; w < kVecs; ++w) k[w] = load8(row + 8 * w);
-      for (int g = 0; g < G; ++g) {
-        const float a = q[g * d + i];
-        for (int w = 0; w < kVecs; ++w) acc[g][w] += a * k[w];
+      for (int r = 0; r < R; ++r) {
+        const float a = q[r][i];
+        for (int w = 0; w < kVecs; ++w) acc[r][w] += a * k[w];
       }
     }
-    for (int g = 0; g < G; ++g) {
-      for (int w = 0; w < kVecs; ++w) store8(scores + g * stride + s0 + 8 * w, acc[g][w] * scale);
+    for (int r = 0; r < R; ++r) {
+      for (int w = 0; w < kVecs; ++w) store8(out[r] + s0 + 8 * w, acc[r][w] * scale);
     }
   }
   for (; s0 < span; ++s0) {
-    for (int g = 0; g < G; ++g) {
+    for (int r = 0; r < R; ++r) {
       float acc = 0.f;
-      for (int64_t i = 0; i < d; ++i) acc += q[g * d + i] * keys[i * capacity + s0];
-      scores[g * stride + s0] = acc * scale;
+      for (int64_t i = 0; i < d; ++i) acc += q[r][i] * keys[i * capacity + s0];
+      out[r][s0] = acc * scale;
     }
   }
 }
 
-// out[g] = sum_s p[g * stride + s] * value[s] for G queries over values [span, D], each row read once.
-template <int D, int G>
-void group_values(const float* p, int64_t stride, const float* values, int64_t span, float* out) {
+// out[r] = sum_s p[r][s] * value[s] for R weight rows over one kv head's values [span, D], each row read once.
+template <int D, int R>
+void tile_values(const float* const* p, const float* values, int64_t span, float* const* out) {
   constexpr int kVecs = D / 8;
-  vec8 acc[G][kVecs] = {};
+  vec8 acc[R][kVecs] = {};
   for (int64_t s = 0; s < span; ++s) {
     const float* row = values + s * D;
     vec8 v[kVecs];
     for (int k = 0; k < kVecs; ++k) v[k] = load8(row + 8 * k);
-    for (int g = 0; g < G; ++g) {
-      const float w = p[g * stride + s];
-      for (int k = 0; k < kVecs; ++k) acc[g][k] += w * v[k];
+    for (int r = 0; r < R; ++r) {
+      const float w = p[r][s];
+      for (int k = 0; k < kVecs; ++k) acc[r][k] += w * v[k];
     }
   }
-  for (int g = 0; g < G; ++g) {
-    for (int k = 0; k < kVecs; ++k) store8(out + g * D + 8 * k, acc[g][k]);
+  for (int r = 0; r < R; ++r) {
+    for (int k = 0; k < kVecs; ++k) store8(out[r] + 8 * k, acc[r][k]);
   }
 }
 
-// Any other head size or group: plain loops (correct, slower).
-void any_scores(const float* q, int64_t group, const float* keys, int64_t capacity, int64_t d, int64_t span,
-                float scale, float* scores, int64_t stride) {
-  for (int64_t g = 0; g < group; ++g) {
-    float* sc = scores + g * stride;
-    std::fill(sc, sc + span, 0.f);
+// Any other head size: plain loops (correct, slower).
+void any_scores(const float* const* q, int64_t rows, const float* keys, int64_t capacity, int64_t d, int64_t span,
+                float scale, float* const* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::fill(out[r], out[r] + span, 0.f);
     for (int64_t i = 0; i < d; ++i) {
-      const float a = q[g * d + i];
+      const float a = q[r][i];
       const float* row = keys + i * capacity;
-      for (int64_t s = 0; s < span; ++s) sc[s] += a * row[s];
+      for (int64_t s = 0; s < span; ++s) out[r][s] += a * row[s];
     }
-    for (int64_t s = 0; s < span; ++s) sc[s] *= scale;
+    for (int64_t s = 0; s < span; ++s) out[r][s] *= scale;
   }
 }
 
-void any_values(const float* p, int64_t stride, int64_t group, const float* values, int64_t d, int64_t span,
-                float* out) {
-  std::fill(out, out + group * d, 0.f);
-  for (int64_t g = 0; g < group; ++g) {
+void any_values(const float* const* p, int64_t rows, const float* values, int64_t d, int64_t span,
+                float* const* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::fill(out[r], out[r] + d, 0.f);
     for (int64_t s = 0; s < span; ++s) {
-      const float w = p[g * stride + s];
-      for (int64_t i = 0; i < d; ++i) out[g * d + i] += w * values[s * d + i];
+      for (int64_t i = 0; i < d; ++i) out[r][i] += p[r][s] * values[s * d + i];
     }
   }
 }
 
-using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float, float*, int64_t);
-using ValuesFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
+constexpr int kTileRows = 8;  // query rows that share one pass over a kv head's keys and values
 
-ScoresFn pick_scores(int64_t group) {
-  switch (group) {
-    case 1: return group_scores<1>;
-    case 2: return group_scores<2>;
-    case 4: return group_scores<4>;
-    case 8: return group_scores<8>;
-    default: return nullptr;
-  }
+using ScoresFn = void (*)(const float* const*, const float*, int64_t, int64_t, int64_t, float, float* const*);
+using ValuesFn = void (*)(const float* const*, const float*, int64_t, float* const*);
+
+template <int... R>
+std::array<ScoresFn, kTileRows + 1> scores_table(std::integer_sequence<int, R...>) {
+  return {nullptr, tile_scores<R + 1>...};
 }
 
-template <int D>
-ValuesFn pick_values_for(int64_t group) {
-  switch (group) {
-    case 1: return group_values<D, 1>;
-    case 2: return group_values<D, 2>;
-    case 4: return group_values<D, 4>;
-    case 8: return group_values<D, 8>;
-    default: return nullptr;
-  }
+template <int D, int... R>
+std::array<ValuesFn, kTileRows + 1> values_table(std::integer_sequence<int, R...>) {
+  return {nullptr, tile_values<D, R + 1>...};
 }
 
-ValuesFn pick_values(int64_t d, int64_t group) {
+// The vectorized kernel for a tile of `rows` query rows (1..kTileRows), or nullptr: use the plain loops.
+ScoresFn pick_scores(int64_t rows) {
+  static const auto table = scores_table(std::make_integer_sequence<int, kTileRows>{});
+  return table[rows];
+}
+
+ValuesFn pick_values(int64_t d, int64_t rows) {
+  static const auto t32 = values_table<32>(std::make_integer_sequence<int, kTileRows>{});
+  static const auto t64 = values_table<64>(std::make_integer_sequence<int, kTileRows>{});
+  static const auto t128 = values_table<128>(std::make_integer_sequence<int, kTileRows>{});
   switch (d) {
-    case 32: return pick_values_for<32>(group);
-    case 64: return pick_values_for<64>(group);
-    case 128: return pick_values_for<128>(group);
+    case 32: return t32[rows];
+    case 64: return t64[rows];
+    case 128: return t128[rows];
     default: return nullptr;
   }
 }
+
+// A tile: up to kTileRows query rows of one kv head -- its group's heads for consecutive tokens of one sequence
+// (a prefill's tokens share the keys they read; a decode step has one token per sequence).
+struct Tile {
+  int64_t first_token, tokens, kv_head;
+};
 
 torch::Tensor rms_rows(const torch::Tensor& h, const torch::Tensor& weight, double eps) {
   auto out = torch::empty_like(h);
@@ -241,43 +248,73 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
     }
   });
 
-  // Attention, one task per (token, kv head): scores into one buffer (positions past a token's own are -inf),
-  // ATen's vectorized softmax over all of it at once, then the weighted sum of values.
+  // Attention over tiles: scores into one buffer (a token's positions past its own are -inf), ATen's
+  // vectorized softmax over all of it at once, then the weighted sum of values.
   const float scale = static_cast<float>(scaling);
-  const ScoresFn scores_fn = pick_scores(group);
-  const ValuesFn values_fn = pick_values(d, group);
-  auto scores = torch::empty({n * kv_heads, group, longest}, h.options());
+  const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);  // tokens per tile
+  std::vector<Tile> tiles;
+  for (int64_t t = 0; t < n;) {
+    int64_t run = 1;
+    while (t + run < n && run < per_tile && slot[t + run] == slot[t]) ++run;
+    for (int64_t j = 0; j < kv_heads; ++j) tiles.push_back({t, run, j});
+    t += run;
+  }
+  auto scores = torch::empty({n, heads, longest}, h.options());
   float* sp = scores.data_ptr<float>();
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / kv_heads, j = task % kv_heads, span = pos[t] + 1;
-      const float* keys = kc + ((slot[t] * kv_heads + j) * d) * capacity;
-      const float* qg = qp + (t * heads + j * group) * d;
-      float* sc = sp + task * group * longest;
-      if (scores_fn) {
-        scores_fn(qg, keys, capacity, d, span, scale, sc, longest);
+  auto attn = torch::empty({n, heads * d}, h.options());
+  float* ap = attn.data_ptr<float>();
+  // The rows of a tile: (token, head) pairs, tokens outer; their query, score and output rows.
+  auto tile_rows = [&](const Tile& tile, auto&& visit) {
+    int64_t r = 0;
+    for (int64_t u = 0; u < tile.tokens; ++u) {
+      for (int64_t g = 0; g < group; ++g, ++r) visit(r, tile.first_token + u, tile.kv_head * group + g);
+    }
+  };
+  const int64_t tiles_n = static_cast<int64_t>(tiles.size());
+  at::parallel_for(0, tiles_n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> q_rows(kTileRows * std::max<int64_t>(1, group));
+    std::vector<float*> out_rows(q_rows.size());
+    for (int64_t i = begin; i < end; ++i) {
+      const Tile& tile = tiles[i];
+      int64_t span = 0;
+      tile_rows(tile, [&](int64_t r, int64_t t, int64_t head) {
+        q_rows[r] = qp + (t * heads + head) * d;
+        out_rows[r] = sp + (t * heads + head) * longest;
+        span = std::max(span, pos[t] + 1);
+      });
+      const int64_t rows = tile.tokens * group;
+      const float* keys = kc + ((slot[tile.first_token] * kv_heads + tile.kv_head) * d) * capacity;
+      const ScoresFn fn = rows <= kTileRows ? pick_scores(rows) : nullptr;
+      if (fn) {
+        fn(q_rows.data(), keys, capacity, d, span, scale, out_rows.data());
       } else {
-        any_scores(qg, group, keys, capacity, d, span, scale, sc, longest);
+        any_scores(q_rows.data(), rows, keys, capacity, d, span, scale, out_rows.data());
       }
-      for (int64_t g = 0; g < group; ++g) {
-        std::fill(sc + g * longest + span, sc + (g + 1) * longest, -std::numeric_limits<float>::infinity());
-      }
+      tile_rows(tile, [&](int64_t r, int64_t t, int64_t) {
+        std::fill(out_rows[r] + pos[t] + 1, out_rows[r] + longest, -std::numeric_limits<float>::infinity());
+      });
     }
   });
   scores = at::_softmax(scores, -1, false);
   sp = scores.data_ptr<float>();
-  auto attn = torch::empty({n, heads * d}, h.options());
-  float* ap = attn.data_ptr<float>();
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / kv_heads, j = task % kv_heads, span = pos[t] + 1;
-      const float* values = vc + ((slot[t] * kv_heads + j) * capacity) * d;  // [capacity, d]
-      const float* p = sp + task * group * longest;
-      float* out = ap + t * heads * d + j * group * d;
-      if (values_fn) {
-        values_fn(p, longest, values, span, out);
+  at::parallel_for(0, tiles_n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> p_rows(kTileRows * std::max<int64_t>(1, group));
+    std::vector<float*> out_rows(p_rows.size());
+    for (int64_t i = begin; i < end; ++i) {
+      const Tile& tile = tiles[i];
+      int64_t span = 0;
+      tile_rows(tile, [&](int64_t r, int64_t t, int64_t head) {
+        p_rows[r] = sp + (t * heads + head) * longest;
+        out_rows[r] = ap + (t * heads + head) * d;
+        span = std::max(span, pos[t] + 1);
+      });
+      const int64_t rows = tile.tokens * group;
+      const float* values = vc + ((slot[tile.first_token] * kv_heads + tile.kv_head) * capacity) * d;
+      const ValuesFn fn = rows <= kTileRows ? pick_values(d, rows) : nullptr;
+      if (fn) {
+        fn(p_rows.data(), values, span, out_rows.data());
       } else {
-        any_values(p, longest, group, values, d, span, out);
+        any_values(p_rows.data(), rows, values, d, span, out_rows.data());
       }
     }
   });
@@ -289,17 +326,9 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
 torch::Tensor mlp_block(const torch::Tensor& h, const torch::Tensor& post_norm, double eps,
                         const torch::Tensor& gate_up_weight, const torch::Tensor& down_weight) {
   for (const torch::Tensor* t : {&h, &post_norm, &gate_up_weight, &down_weight}) check_f32(*t, "mlp_block: every input");
-  auto gate_up = at::linear(rms_rows(h, post_norm, eps), gate_up_weight).contiguous();
-  const int64_t n = h.size(0), inter = gate_up.size(1) / 2;
-  auto act = torch::empty({n, inter}, h.options());
-  const float* gu = gate_up.data_ptr<float>();
-  float* a = act.data_ptr<float>();
-  for (int64_t t = 0; t < n; ++t) {
-    const float* g = gu + t * 2 * inter;
-    const float* u = g + inter;
-    float* out = a + t * inter;
-    for (int64_t i = 0; i < inter; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
+  auto gate_up = at::linear(rms_rows(h, post_norm, eps), gate_up_weight);
+  const int64_t inter = gate_up.size(1) / 2;
+  auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));  // ATen's vectorized silu
   return h + at::linear(act, down_weight);
 }
 
@@ -310,7 +339,104 @@ torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& weight, doub
   return rms_rows(h, weight, eps);
 }
 
+// One token per row of logits [B, V] and its logprob, as sampling.py's `sample` computes them (its docstring has
+// the convention): logprob = log_softmax(logits / T)[token]; temperature 0 is greedy (T = 1 for the logprob);
+// otherwise inverse CDF with the row's uniform u over the tokens top-k / top-p keep, by descending probability.
+// top_k <= 0 or >= V keeps all; top_p >= 1 keeps all. Cumulative sums accumulate in double, as ATen's CPU cumsum.
+std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                                     const torch::Tensor& top_p, const torch::Tensor& top_k,
+                                                     const torch::Tensor& uniforms) {
+  check_f32(logits, "sample_rows: logits");
+  TORCH_CHECK(logits.dim() == 2, "sample_rows: logits must be [batch, vocab]");
+  const int64_t batch = logits.size(0), vocab = logits.size(1);
+  auto temps = temperature.to(torch::kFloat32).contiguous();
+  auto ps = top_p.to(torch::kFloat32).contiguous();
+  auto ks = top_k.to(torch::kLong).contiguous();
+  auto us = uniforms.to(torch::kFloat64).contiguous();
+  TORCH_CHECK(temps.numel() == batch && ps.numel() == batch && ks.numel() == batch && us.numel() == batch,
+              "sample_rows: one temperature, top_p, top_k and uniform per row");
+  auto tokens = torch::empty({batch}, torch::kLong);
+  auto logprobs = torch::empty({batch}, torch::kFloat32);
+  const float* lp = logits.data_ptr<float>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scaled(vocab), probs(vocab);
+    std::vector<int64_t> order(vocab);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = lp + b * vocab;
+      const float t = temps.data_ptr<float>()[b];
+      const bool greedy = !(t > 0.f);
+      const float temp = greedy ? 1.f : t;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < vocab; ++i) {
+        scaled[i] = temp == 1.f ? row[i] : row[i] / temp;
+        top = std::max(top, scaled[i]);
+      }
+      double total = 0.0;
+      for (int64_t i = 0; i < vocab; ++i) total += std::exp(static_cast<double>(scaled[i] - top));
+      const float log_total = static_cast<float>(std::log(total));
+      int64_t token = 0;
+      if (greedy) {
+        for (int64_t i = 1; i < vocab; ++i) token = row[i] > row[token] ? i : token;  // the first maximum
+      } else {
+        const int64_t k = ks.data_ptr<int64_t>()[b];
+        const float p = ps.data_ptr<float>()[b];
+        const double u = us.data_ptr<double>()[b];
+        const bool filtered = (k > 0 && k < vocab) || p < 1.f;
+        if (!filtered) {  // inverse CDF over the whole vocabulary in token order
+          double cdf = 0.0;
+          const double target = u * [&] {
+            double mass = 0.0;
+            for (int64_t i = 0; i < vocab; ++i) mass += std::exp(static_cast<double>(scaled[i] - top - log_total));
+            return mass;
+          }();
+          token = vocab - 1;
+          for (int64_t i = 0; i < vocab; ++i) {
+            cdf += std::exp(static_cast<double>(scaled[i] - top - log_total));
+            if (cdf > target) {
+              token = i;
+              break;
+            }
+          }
+        } else {
+          for (int64_t i = 0; i < vocab; ++i) order[i] = i;
+          std::sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return scaled[a] > scaled[c]; });
+          float sum = 0.f;  // softmax of the sorted row (its maximum is first)
+          for (int64_t i = 0; i < vocab; ++i) sum += (probs[i] = std::exp(scaled[order[i]] - scaled[order[0]]));
+          for (int64_t i = 0; i < vocab; ++i) probs[i] /= sum;
+          // Kept: a prefix -- a token stays while the mass strictly before it is below top_p and its rank below
+          // top_k; the first always stays.
+          const int64_t rank_limit = (k > 0 && k < vocab) ? k : vocab;
+          int64_t kept = 1;
+          double before = probs[0];
+          for (int64_t i = 1; i < rank_limit; ++i) {
+            if (!(static_cast<float>(before) < p)) break;
+            before += probs[i];
+            kept = i + 1;
+          }
+          double mass = 0.0;
+          for (int64_t i = 0; i < kept; ++i) mass += probs[i];
+          const double target = u * mass;
+          double cdf = 0.0;
+          int64_t idx = kept - 1;
+          for (int64_t i = 0; i < kept; ++i) {
+            cdf += probs[i];
+            if (cdf > target) {
+              idx = i;
+              break;
+            }
+          }
+          token = order[idx];
+        }
+      }
+      tokens.data_ptr<int64_t>()[b] = token;
+      logprobs.data_ptr<float>()[b] = scaled[token] - top - log_total;
+    }
+  });
+  return {tokens, logprobs};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sample_rows", &sample_rows, "One token per row: greedy or inverse CDF under top-k / top-p, and its logprob");
   m.def("attention_block", &attention_block, "Qwen3 attention block over token rows and the slot KV cache");
   m.def("mlp_block", &mlp_block, "Qwen3 dense MLP block over token rows");
   m.def("rms_norm", &rms_norm, "Qwen3 RMSNorm over token rows");

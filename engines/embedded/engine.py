@@ -500,7 +500,7 @@ class EmbeddedEngine:
         if not live:
             return
         tokens, logprobs = sample(logits[live], [seqs[b].sampling for b in live],
-                                  [seqs[b].draws for b in live], exact=self.runner.exact)
+                                  [seqs[b].draws for b in live], exact=self.runner.exact, kernels=self.runner.kernels)
         for b, tok, lp in zip(live, tokens, logprobs):
             seqs[b].append(tok, lp, self._version)
         self.stats["generated_tokens"] += len(live)

@@ -91,28 +91,30 @@ class _FusedBlock:
     @torch.no_grad()
     def _fuse(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         if len(self.modules) == 1:  # nothing to concatenate: the module's own tensors
-            return self.modules[0].weight, self.modules[0].bias
-        with torch.inference_mode(False):  # the fused tensor must accept later in-place syncs
-            weight = torch.cat([m.weight.detach() for m in self.modules])
-            bias = None if self.modules[0].bias is None else torch.cat([m.bias.detach() for m in self.modules])
-            row = 0
-            for m in self.modules:
-                n = m.weight.shape[0]
-                m.weight.data = weight[row: row + n]
-                if bias is not None:
-                    m.bias.data = bias[row: row + n]
-                row += n
+            weight, bias = self.modules[0].weight, self.modules[0].bias
+        else:
+            with torch.inference_mode(False):  # the fused tensor must accept later in-place syncs
+                weight = torch.cat([m.weight.detach() for m in self.modules])
+                bias = None if self.modules[0].bias is None else torch.cat([m.bias.detach() for m in self.modules])
+                row = 0
+                for m in self.modules:
+                    n = m.weight.shape[0]
+                    m.weight.data = weight[row: row + n]
+                    if bias is not None:
+                        m.bias.data = bias[row: row + n]
+                    row += n
+        # What `aliased` compares: each module's parameter objects and where their data lives now.
+        self._expected = [(m._parameters[key], m._parameters[key].data_ptr())
+                          for m in self.modules for key in ("weight", "bias") if m._parameters.get(key) is not None]
         return weight, bias
 
     def aliased(self) -> bool:
-        if len(self.modules) == 1:
-            return self.modules[0].weight is self.weight
-        base, step, row = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size(), 0
-        for m in self.modules:
-            if m.weight.data_ptr() != base + row * step or not m.weight.is_contiguous():
-                return False
-            row += m.weight.shape[0]
-        return self.bias is None or self.modules[0].bias.data_ptr() == self.bias.data_ptr()
+        """Each module still holds the parameters fused, over the same storage (checked every forward, so
+        it reads the dicts directly: nn.Module attribute lookups cost more than the check)."""
+        params = [m._parameters[key] for m in self.modules for key in ("weight", "bias")
+                  if m._parameters.get(key) is not None]
+        return len(params) == len(self._expected) and all(
+            p is q and p.data_ptr() == ptr for p, (q, ptr) in zip(params, self._expected))
 
     def refresh(self) -> None:
         if not self.aliased():

@@ -208,8 +208,11 @@ class ModelRunner:
                     h[b, cols] += deep[i].to(h.dtype)
         return h
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.lm_head(self.decoder.norm(hidden)).float()
+    def _logits(self, hidden: torch.Tensor, rows: bool = False) -> torch.Tensor:
+        """float32 logits of hidden states; ``rows``: [N, hidden] from the kernels, normed by theirs."""
+        norm = self.decoder.norm
+        normed = self.kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon) if rows else norm(hidden)
+        logits = self.model.lm_head(normed).float()
         return mask_suppressed(logits, self.suppressed) if self.suppressed is not None else logits
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -353,7 +356,7 @@ class ModelRunner:
         routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
         h = self._rows(ids, rows_slot, rows_pos, routing)
         ends = np.cumsum(lens)
-        logits = self._logits(h[torch.from_numpy(ends - 1)])
+        logits = self._logits(h[torch.from_numpy(ends - 1)], rows=True)
         flat = self._routing_rows(routing)  # [N, 1, moe_layers, top_k]
         if flat is None:
             return logits, None
@@ -389,7 +392,7 @@ class ModelRunner:
             h = self._rows(torch.tensor(tokens, device=self.device), torch.tensor(slots, device=self.device), pos,
                            routing)
             rows = self._routing_rows(routing)
-            return self._logits(h), (None if rows is None else rows[:, 0])
+            return self._logits(h, rows=True), (None if rows is None else rows[:, 0])
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         visible = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [B, span]
         slot_idx = torch.tensor(slots, device=self.device)

@@ -13,6 +13,8 @@ sampling time.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -80,14 +82,31 @@ def _inverse_cdf(probs: torch.Tensor, kept: torch.Tensor | None, u: torch.Tensor
     return torch.searchsorted(cdf, u[:, None] * mass, right=True)[:, 0]
 
 
+def _uniform(draw: Uniforms | torch.Generator) -> float:
+    return draw.next() if isinstance(draw, Uniforms) else float(torch.rand(1, generator=draw, device=draw.device))
+
+
+def _filtered(p: SamplingParams, vocab: int) -> bool:
+    """Whether top-k / top-p drop anything: such a row samples by descending probability."""
+    return 0 < p.top_k < vocab or p.top_p < 1
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[Uniforms | torch.Generator],
-           exact: bool = False) -> tuple[list[int], list[float]]:
+           exact: bool = False, kernels: Any = None) -> tuple[list[int], list[float]]:
     """Sample one token per row of ``logits`` ([B, V]); return token ids and their logprobs (see module doc).
 
     Stochastic rows draw by inverse CDF, one uniform each from the request's own `Uniforms` (a bare
     generator is drawn from directly), after top-k / top-p filtering of the tempered distribution.
+    ``kernels``: the engine's compiled CPU kernels, which do the same per row in one call (CPU logits only;
+    the same draws, so a seeded request stays batch-independent; float rounding may differ from torch's).
     """
     logits = logits.float()
+    if kernels is not None and logits.device.type == "cpu" and not exact:
+        u = [_uniform(d) if p.temperature > 0 else 0.0 for p, d in zip(params, draws)]
+        tokens, logprobs = kernels.sample_rows(
+            logits.contiguous(), torch.tensor([p.temperature for p in params]), torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.top_k for p in params]), torch.tensor(u, dtype=torch.float64))
+        return tokens.tolist(), logprobs.tolist()
     vocab = logits.shape[-1]
     dev = logits.device
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
@@ -101,24 +120,32 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[Unifo
     stochastic = [i for i, p in enumerate(params) if p.temperature > 0]
     tokens = logits.argmax(dim=-1) if len(stochastic) < len(params) else None
     if stochastic:
-        every = len(stochastic) == len(params)  # the usual batch: no row selection needed
-        idx = None if every else torch.tensor(stochastic, device=dev)
-        rows = [params[i] for i in stochastic]
-        u = torch.tensor([draws[i].next() if isinstance(draws[i], Uniforms)
-                          else float(torch.rand(1, generator=draws[i], device=draws[i].device)) for i in stochastic],
-                         dtype=torch.float64, device=dev)
-        if all(p.top_k < 0 and p.top_p >= 1 for p in rows):
-            picked = _inverse_cdf((logp if every else logp[idx]).exp(), None, u)
-        else:
-            top_k = (None if all(p.top_k <= 0 or p.top_k >= vocab for p in rows) else
-                     torch.tensor([p.top_k if p.top_k > 0 else vocab for p in rows], device=dev))
-            # top_p = 1 must keep the whole vocabulary, even where fp32 cumsum rounds to 1 early.
-            top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in rows], device=dev)
-            order, probs, kept = _nucleus(scaled if every else scaled[idx], top_k, top_p)
-            picked = order.gather(1, _inverse_cdf(probs, kept, u)[:, None])[:, 0]
-        if every:
-            tokens = picked
-        else:
-            tokens[idx] = picked
+        u = {i: _uniform(draws[i]) for i in stochastic}  # drawn in batch order, one per stochastic row
+        if tokens is None:
+            tokens = torch.empty(len(params), dtype=torch.long, device=dev)
+        # Per row, never per batch, so a seeded request draws the same token in any batch: an unfiltered row
+        # walks the vocabulary in token order, a filtered one by descending probability.
+        plain = [i for i in stochastic if not _filtered(params[i], vocab)]
+        nucleus = [i for i in stochastic if _filtered(params[i], vocab)]
+        for group in (plain, nucleus):
+            if not group:
+                continue
+            every = len(group) == len(params)  # the usual batch: no row selection needed
+            idx = None if every else torch.tensor(group, device=dev)
+            draw = torch.tensor([u[i] for i in group], dtype=torch.float64, device=dev)
+            if group is plain:
+                picked = _inverse_cdf((logp if every else logp[idx]).exp(), None, draw)
+            else:
+                rows = [params[i] for i in group]
+                top_k = (None if all(p.top_k <= 0 or p.top_k >= vocab for p in rows) else
+                         torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in rows], device=dev))
+                # top_p = 1 must keep the whole vocabulary, even where fp32 cumsum rounds to 1 early.
+                top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in rows], device=dev)
+                order, probs, kept = _nucleus(scaled if every else scaled[idx], top_k, top_p)
+                picked = order.gather(1, _inverse_cdf(probs, kept, draw)[:, None])[:, 0]
+            if every:
+                tokens = picked
+            else:
+                tokens[idx] = picked
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()

@@ -149,3 +149,31 @@ def test_the_switch_and_the_reasons(monkeypatch):
         EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=2, true_on_policy=True, cpu_kernels=True)
     exact = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=2, true_on_policy=True)
     assert exact.runner.kernels is None and "on-policy" in exact.runner.kernels_reason
+
+
+def test_the_kernel_sampler_draws_what_the_torch_sampler_draws():
+    """Same uniforms in, same tokens out (greedy, full vocabulary, top-p, top-k, both, other temperatures);
+    logprobs equal to float rounding. Greedy rows take no draw on either side."""
+    from miles_agent.engines.embedded.sampling import Uniforms, sample
+
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(64, 265, generator=g) * 3
+    kinds = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, top_p=0.9),
+             dict(temperature=1.0, top_k=20), dict(temperature=1.3, top_p=0.5, top_k=5), dict(temperature=1.0, top_p=0.95)]
+    params = [SamplingParams(max_new_tokens=1, **kinds[i % len(kinds)]) for i in range(64)]
+
+    def draws() -> list:
+        return [Uniforms(torch.Generator().manual_seed(100 + i)) for i in range(64)]
+
+    kernels = cpu_kernels.load()
+    for _ in range(3):  # three steps: the same per-request streams on both sides
+        want_draws, got_draws = draws(), draws()
+        want = sample(logits, params, want_draws)
+        got = sample(logits, params, got_draws, kernels=kernels)
+        assert got[0] == want[0]
+        assert max(abs(a - b) for a, b in zip(got[1], want[1])) < 1e-5
+        assert [d.next() for d in got_draws] == [d.next() for d in want_draws]  # as many draws taken
+        logits = logits.roll(1, dims=1)
+    top = sample(logits[:1], [SamplingParams(max_new_tokens=1, temperature=1.0, top_k=1)], draws()[:1],
+                 kernels=kernels)[0]
+    assert top == [int(logits[0].argmax())]  # top_k=1 is greedy whatever the draw

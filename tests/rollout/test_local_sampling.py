@@ -89,17 +89,29 @@ def test_top_k_one_equals_greedy(make_engine):
     assert [g.output_ids for g in greedy] == [t.output_ids for t in topk1]
 
 
-def test_sampler_top_p_and_top_k_keep_only_the_nucleus():
+@pytest.fixture(params=["torch", "cpu-kernels"])
+def kernels(request):
+    """The sampler in torch, and in the engine's compiled CPU kernels (skipped where they cannot be built)."""
+    if request.param == "torch":
+        return None
+    from miles_agent.engines.embedded import cpu_kernels
+
+    if cpu_kernels.toolchain_missing():
+        pytest.skip(cpu_kernels.toolchain_missing())
+    return cpu_kernels.load()
+
+
+def test_sampler_top_p_and_top_k_keep_only_the_nucleus(kernels):
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     logits = probs.log()
     seen_p, seen_k = set(), set()
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
-        seen_p.update(sample(logits, [SamplingParams(top_p=0.5)], [gen])[0])
-        seen_k.update(sample(logits, [SamplingParams(top_k=3)], [gen])[0])
+        seen_p.update(sample(logits, [SamplingParams(top_p=0.5)], [gen], kernels=kernels)[0])
+        seen_k.update(sample(logits, [SamplingParams(top_k=3)], [gen], kernels=kernels)[0])
     assert seen_p == {0, 1}
     assert seen_k == {0, 1, 2}
-    toks, lps = sample(logits, [SamplingParams(temperature=0)], [gen])
+    toks, lps = sample(logits, [SamplingParams(temperature=0)], [gen], kernels=kernels)
     assert toks == [0] and lps[0] == pytest.approx(float(logits.log_softmax(-1)[0, 0]))
 
 
@@ -137,10 +149,28 @@ def test_unsupported_model_is_refused():
         EmbeddedEngine(LlamaForCausalLM(cfg))
 
 
-def test_sampler_draws_from_the_distribution():
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=3)],
+                         ids=["plain", "top-p", "top-k"])
+def test_sampler_draws_from_the_distribution(kernels, params):
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 4000
     gen = torch.Generator().manual_seed(1)
-    toks, _ = sample(probs.log().expand(n, 4), [SamplingParams()] * n, [gen] * n)
+    toks, _ = sample(probs.log().expand(n, 4).contiguous(), [params] * n, [gen] * n, kernels=kernels)
     freq = torch.bincount(torch.tensor(toks), minlength=4).float() / n
-    assert torch.allclose(freq, probs, atol=0.03), freq
+    want = probs if params.top_k < 0 and params.top_p >= 1 else torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95
+    assert torch.allclose(freq, want, atol=0.03), freq
+
+
+def test_a_seeded_row_draws_the_same_token_beside_any_other_row(kernels):
+    """Whether a batch-mate filters (top-p / top-k) or not must not change how a row maps its uniform to a
+    token: the sampler walks an unfiltered row in token order and a filtered one by probability, per row."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 50, generator=g)
+    plain, nucleus = SamplingParams(seed=1), SamplingParams(seed=2, top_p=0.8)
+
+    def draw(seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
+    alone = [sample(logits[i:i + 1], [p], [draw(i)], kernels=kernels)[0][0] for i, p in enumerate((plain, nucleus))]
+    together = sample(logits, [plain, nucleus], [draw(0), draw(1)], kernels=kernels)[0]
+    assert together == alone
