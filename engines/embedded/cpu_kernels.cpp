@@ -343,93 +343,88 @@ torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& weight, doub
 // the convention): logprob = log_softmax(logits / T)[token]; temperature 0 is greedy (T = 1 for the logprob);
 // otherwise inverse CDF with the row's uniform u over the tokens top-k / top-p keep, by descending probability.
 // top_k <= 0 or >= V keeps all; top_p >= 1 keeps all. Cumulative sums accumulate in double, as ATen's CPU cumsum.
-std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
-                                                     const torch::Tensor& top_p, const torch::Tensor& top_k,
-                                                     const torch::Tensor& uniforms) {
+std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits, const torch::Tensor& requests) {
   check_f32(logits, "sample_rows: logits");
   TORCH_CHECK(logits.dim() == 2, "sample_rows: logits must be [batch, vocab]");
   const int64_t batch = logits.size(0), vocab = logits.size(1);
-  auto temps = temperature.to(torch::kFloat32).contiguous();
-  auto ps = top_p.to(torch::kFloat32).contiguous();
-  auto ks = top_k.to(torch::kLong).contiguous();
-  auto us = uniforms.to(torch::kFloat64).contiguous();
-  TORCH_CHECK(temps.numel() == batch && ps.numel() == batch && ks.numel() == batch && us.numel() == batch,
-              "sample_rows: one temperature, top_p, top_k and uniform per row");
+  TORCH_CHECK(requests.dim() == 2 && requests.size(0) == batch && requests.size(1) == 4,
+              "sample_rows: requests must be [batch, 4]: temperature, top_p, top_k, uniform per row");
+  auto columns = requests.to(torch::kFloat64).contiguous();
+  auto temps = columns.select(1, 0).to(torch::kFloat32).contiguous();
+  auto ps = columns.select(1, 1).to(torch::kFloat32).contiguous();
+  auto ks = columns.select(1, 2).to(torch::kLong).contiguous();
+  auto us = columns.select(1, 3).contiguous();
+  // The row-wise math in ATen's vectorized kernels; the per-row walk below in plain loops.
+  const float* tp = temps.data_ptr<float>();
+  const bool tempered = std::any_of(tp, tp + batch, [](float t) { return t > 0.f && t != 1.f; });
+  torch::Tensor scaled = tempered ? logits / at::where(temps > 0, temps, at::ones_like(temps)).unsqueeze(1) : logits;
+  auto logp = at::log_softmax(scaled, 1).contiguous();
+  auto probs = logp.exp();
   auto tokens = torch::empty({batch}, torch::kLong);
   auto logprobs = torch::empty({batch}, torch::kFloat32);
-  const float* lp = logits.data_ptr<float>();
+  scaled = scaled.contiguous();
+  const float* sp = scaled.data_ptr<float>();
+  const float* lpp = logp.data_ptr<float>();
+  const float* pp = probs.data_ptr<float>();
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scaled(vocab), probs(vocab);
-    std::vector<int64_t> order(vocab);
+    std::vector<uint64_t> order(vocab);
     for (int64_t b = begin; b < end; ++b) {
-      const float* row = lp + b * vocab;
-      const float t = temps.data_ptr<float>()[b];
-      const bool greedy = !(t > 0.f);
-      const float temp = greedy ? 1.f : t;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < vocab; ++i) {
-        scaled[i] = temp == 1.f ? row[i] : row[i] / temp;
-        top = std::max(top, scaled[i]);
-      }
-      double total = 0.0;
-      for (int64_t i = 0; i < vocab; ++i) total += std::exp(static_cast<double>(scaled[i] - top));
-      const float log_total = static_cast<float>(std::log(total));
+      const float* row = sp + b * vocab;
+      const float* prob = pp + b * vocab;
       int64_t token = 0;
-      if (greedy) {
-        for (int64_t i = 1; i < vocab; ++i) token = row[i] > row[token] ? i : token;  // the first maximum
+      if (!(tp[b] > 0.f)) {  // greedy: the first maximum
+        for (int64_t i = 1; i < vocab; ++i) token = row[i] > row[token] ? i : token;
       } else {
         const int64_t k = ks.data_ptr<int64_t>()[b];
         const float p = ps.data_ptr<float>()[b];
         const double u = us.data_ptr<double>()[b];
-        const bool filtered = (k > 0 && k < vocab) || p < 1.f;
-        if (!filtered) {  // inverse CDF over the whole vocabulary in token order
+        if (!((k > 0 && k < vocab) || p < 1.f)) {  // unfiltered: inverse CDF in token order
+          double mass = 0.0;
+          for (int64_t i = 0; i < vocab; ++i) mass += prob[i];
+          const double target = u * mass;
           double cdf = 0.0;
-          const double target = u * [&] {
-            double mass = 0.0;
-            for (int64_t i = 0; i < vocab; ++i) mass += std::exp(static_cast<double>(scaled[i] - top - log_total));
-            return mass;
-          }();
           token = vocab - 1;
           for (int64_t i = 0; i < vocab; ++i) {
-            cdf += std::exp(static_cast<double>(scaled[i] - top - log_total));
+            cdf += prob[i];
             if (cdf > target) {
               token = i;
               break;
             }
           }
-        } else {
-          for (int64_t i = 0; i < vocab; ++i) order[i] = i;
-          std::sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return scaled[a] > scaled[c]; });
-          float sum = 0.f;  // softmax of the sorted row (its maximum is first)
-          for (int64_t i = 0; i < vocab; ++i) sum += (probs[i] = std::exp(scaled[order[i]] - scaled[order[0]]));
-          for (int64_t i = 0; i < vocab; ++i) probs[i] /= sum;
-          // Kept: a prefix -- a token stays while the mass strictly before it is below top_p and its rank below
-          // top_k; the first always stays.
+        } else {  // by descending probability, over the prefix top-k / top-p keep
+          // One integer per token, ordering by descending logit then ascending id: a plain integer sort.
+          for (int64_t i = 0; i < vocab; ++i) {
+            uint32_t bits;
+            std::memcpy(&bits, row + i, sizeof bits);
+            const uint32_t ascending = bits ^ ((bits >> 31) ? 0xFFFFFFFFu : 0x80000000u);
+            order[i] = (static_cast<uint64_t>(~ascending) << 32) | static_cast<uint64_t>(i);
+          }
+          std::sort(order.begin(), order.end());
+          auto id = [&](int64_t rank) { return static_cast<int64_t>(order[rank] & 0xFFFFFFFFu); };
+          // A token stays while the mass strictly before it is below top_p and its rank is below top_k.
           const int64_t rank_limit = (k > 0 && k < vocab) ? k : vocab;
           int64_t kept = 1;
-          double before = probs[0];
-          for (int64_t i = 1; i < rank_limit; ++i) {
-            if (!(static_cast<float>(before) < p)) break;
-            before += probs[i];
+          double before = prob[id(0)];
+          for (int64_t i = 1; i < rank_limit && static_cast<float>(before) < p; ++i) {
+            before += prob[id(i)];
             kept = i + 1;
           }
           double mass = 0.0;
-          for (int64_t i = 0; i < kept; ++i) mass += probs[i];
+          for (int64_t i = 0; i < kept; ++i) mass += prob[id(i)];
           const double target = u * mass;
           double cdf = 0.0;
-          int64_t idx = kept - 1;
+          token = id(kept - 1);
           for (int64_t i = 0; i < kept; ++i) {
-            cdf += probs[i];
+            cdf += prob[id(i)];
             if (cdf > target) {
-              idx = i;
+              token = id(i);
               break;
             }
           }
-          token = order[idx];
         }
       }
       tokens.data_ptr<int64_t>()[b] = token;
-      logprobs.data_ptr<float>()[b] = scaled[token] - top - log_total;
+      logprobs.data_ptr<float>()[b] = lpp[b * vocab + token];
     }
   });
   return {tokens, logprobs};

@@ -102,10 +102,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[Unifo
     """
     logits = logits.float()
     if kernels is not None and logits.device.type == "cpu" and not exact:
-        u = [_uniform(d) if p.temperature > 0 else 0.0 for p, d in zip(params, draws)]
-        tokens, logprobs = kernels.sample_rows(
-            logits.contiguous(), torch.tensor([p.temperature for p in params]), torch.tensor([p.top_p for p in params]),
-            torch.tensor([p.top_k for p in params]), torch.tensor(u, dtype=torch.float64))
+        requests = [(p.temperature, p.top_p, p.top_k, _uniform(d) if p.temperature > 0 else 0.0)
+                    for p, d in zip(params, draws)]
+        tokens, logprobs = kernels.sample_rows(logits.contiguous(), torch.tensor(requests, dtype=torch.float64))
         return tokens.tolist(), logprobs.tolist()
     vocab = logits.shape[-1]
     dev = logits.device
