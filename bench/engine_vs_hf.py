@@ -11,6 +11,7 @@ equal; the figure is generated tokens per second of wall time, and the ratios ar
     python bench/engine_vs_hf.py --quick    # a few seconds
     python bench/engine_vs_hf.py --peers    # the peers' workload: 16 episodes x 4 and x 8 turns, each turn
                                             # +32 observation tokens, 32 sampled; 3 interleaved repeats
+    python bench/engine_vs_hf.py --peers --torch-forward   # the same without the compiled CPU kernels
 
 ``--peers`` prints min / median / max of engine / HF (batched generate over the whole context each
 turn) per turn count, the engine's prefix-cache hit rate, the machine load beside them, and a table of
@@ -203,6 +204,8 @@ def main() -> None:
                          "OpenMP barriers made HF generate 5-15x slower from run to run)")
     ap.add_argument("--quick", action="store_true", help="8 episodes, 1 turn, 16 new tokens, 1 run")
     ap.add_argument("--peers", action="store_true", help="the peers' 4- and 8-turn workload (module docstring)")
+    ap.add_argument("--torch-forward", action="store_true",
+                    help="the engine without its compiled CPU kernels (engines/embedded/cpu_kernels.cpp)")
     a = ap.parse_args()
     if a.quick:
         a.episodes, a.seq_episodes, a.turns, a.new, a.repeat = 8, 4, 1, 16, 1
@@ -210,7 +213,11 @@ def main() -> None:
     torch.manual_seed(0)
     model, tok = build_tiny(a.arch)
     model = model.to(a.device)
-    engine = EmbeddedEngine(copy.deepcopy(model), tok, device=a.device, max_batch_size=max(a.episodes, 1))
+    engine = EmbeddedEngine(copy.deepcopy(model), tok, device=a.device, max_batch_size=max(a.episodes, 1),
+                            cpu_kernels=False if a.torch_forward else None)
+    runner = engine.runner
+    print(f"engine forward: {'compiled CPU kernels' if runner.kernels is not None else 'torch'}"
+          + ("" if runner.kernels is not None else f" ({runner.kernels_reason})"))
     engine.eos_ids = frozenset()  # equal work: every request samples exactly --new tokens
     prompts = make_prompts(a.episodes, a.prompt_len, seed=0)
     run_engine(engine, make_prompts(2, 8, seed=1), 1, 2)  # warm-up (thread pool, allocator)
