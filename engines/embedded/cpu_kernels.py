@@ -1,6 +1,6 @@
 """The embedded engine's CPU kernels (cpu_kernels.cpp): a Qwen3 layer's attention block and dense MLP block as
-one call each, compiled on first use with torch's extension builder and cached, as DeepSpeed and SGLang's CPU
-backend build their CPU ops.
+one call each, and the sampler as one call per step, compiled on first use with torch's extension builder and
+cached, as DeepSpeed and SGLang's CPU backend build their CPU ops.
 
 Why: a decode step of a small model on a CPU is ~300 tiny torch ops, each 3-10 us of dispatch; the kernels
 run everything between the matmuls as loops over each token's row (the matmuls stay ATen's). They need a C++
@@ -10,7 +10,7 @@ torch's extension cache (``TORCH_EXTENSIONS_DIR``), so later processes load it i
 `load()` returns the module, or None when the kernels are off or cannot be built -- the engine then runs
 its torch forward (`fused.py`), which is also the reference the kernels are tested against. Off:
 ``MILES_AGENT_CPU_KERNELS=0``. ``python -m miles_agent.engines.embedded.cpu_kernels`` builds them ahead of
-time (CI and the README's install command do) and says where, or why not.
+time (.ci/run does) and says where, or why not.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_NAME = "miles_agent_cpu_kernels_v1"  # bump when the source's interface changes
+_VERSION = 1  # bump when the source's interface changes
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "module" once loaded, or "error": why not
 
@@ -77,6 +77,21 @@ def toolchain_missing() -> str | None:
     return None
 
 
+def _name() -> str:
+    """The module's name, per instruction set: the build uses -march=native, and torch's cache may sit on a
+    home directory that machines with other CPUs share (a cluster's NFS home); each gets its own build."""
+    import hashlib
+    import platform
+
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags += platform.processor()
+    return f"miles_agent_cpu_kernels_v{_VERSION}_{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+
+
 def _build() -> Any:
     missing = toolchain_missing()
     if missing:
@@ -85,7 +100,7 @@ def _build() -> Any:
 
     logger.info("loading the embedded engine's CPU kernels (the first time on a machine compiles them: ~40 s)")
     # -march=native: the build is per machine (torch's cache lives on it), so use its vector units.
-    return cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+    return cpp_extension.load(name=_name(), sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
                               verbose=False)
 
 
