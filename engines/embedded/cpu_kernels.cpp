@@ -1,5 +1,5 @@
 // The embedded engine's CPU kernels: a Qwen3 decoder layer's attention block and dense MLP block, each one
-// call, over token-major rows (no padding) and the runner's per-slot KV cache.
+// call, over token-major rows (no padding) and the runner's per-slot KV cache; and the sampler, one call a step.
 //
 // Why: on a CPU a small model's decode step is dominated by launching ~300 tiny torch ops (RMSNorms,
 // the q/k norms, RoPE, cache writes, masks, softmax), not by arithmetic. Here everything between the
@@ -200,6 +200,11 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
   TORCH_CHECK(heads % kv_heads == 0 && d % 2 == 0, "attention_block: heads must be a multiple of kv_heads");
   TORCH_CHECK(k_cache.size(1) == kv_heads && k_cache.size(2) == d && v_cache.size(2) == capacity,
               "attention_block: the KV cache does not match kv_heads / head_dim");
+  TORCH_CHECK(h.dim() == 2 && qkv_weight.size(0) == (heads + 2 * kv_heads) * d && qkv_weight.size(1) == h.size(1)
+                  && o_weight.size(1) == heads * d && rope.size(0) == n && rope.size(2) == d
+                  && slots.numel() == n && positions.numel() == n,
+              "attention_block: shapes disagree (h [N, hidden], qkv_weight [(heads + 2 kv) head_dim, hidden], "
+              "rope [N, 2, head_dim], one slot and position per row)");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   int64_t longest = 0;
