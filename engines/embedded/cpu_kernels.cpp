@@ -27,6 +27,15 @@ void check_f32(const torch::Tensor& t, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
+// A projection's weight as [in, out] (the module's weight transposed): a contiguous copy, which MKL multiplies
+// fastest at a few rows, or the transposed view of the module's own weight; any strides do.
+void check_weight(const torch::Tensor& t, int64_t in, int64_t out, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 2, name,
+              " must be a float32 CPU matrix");
+  TORCH_CHECK(t.size(0) == in && t.size(1) == out, name, " must be [", in, ", ", out, "] (the weight transposed), got [",
+              t.size(0), ", ", t.size(1), "]");
+}
+
 // HF's Qwen3RMSNorm in fp32: x * rsqrt(mean(x^2) + eps), then * weight (when given).
 inline void rms_row(const float* x, float* out, const float* weight, int64_t n, float eps) {
   float sum = 0.f;
@@ -175,22 +184,23 @@ torch::Tensor rms_rows(const torch::Tensor& h, const torch::Tensor& weight, doub
 }  // namespace
 
 // One attention block for N tokens, each of one sequence (its KV-cache ``slot``) at ``position``:
-//   x = rms(h) * input_norm;  q, k, v = x @ qkv_weight^T (+ bias);  q, k = rope(rms(q|k) * q_norm|k_norm)
+//   x = rms(h) * input_norm;  q, k, v = x @ qkv_wt (+ bias);  q, k = rope(rms(q|k) * q_norm|k_norm)
 //   write k, v at (slot, position);  each query head attends to its slot's positions 0..position
-//   return h + attn @ o_weight^T (+ bias)
+//   return h + attn @ o_wt (+ bias)
+// Weights come transposed, [in, out] (`check_weight`).
 // Tokens of one sequence must come in position order: their keys are all written before any attends, so
 // a prefill chunk's token sees the chunk's earlier tokens (and the cache before them), never later ones.
 // Shapes: h [N, hidden]; rope [N, 2, D] (cos, and sin with its first half negated: HF's rotate_half);
 // k_cache [slots, KV, D, capacity] (keys transposed), v_cache [slots, KV, capacity, D]; slots, positions [N].
 torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input_norm, double eps,
-                              const torch::Tensor& qkv_weight, const c10::optional<torch::Tensor>& qkv_bias,
+                              const torch::Tensor& qkv_wt, const c10::optional<torch::Tensor>& qkv_bias,
                               const torch::Tensor& q_norm, const torch::Tensor& k_norm, double qk_eps,
                               const torch::Tensor& rope, torch::Tensor k_cache, torch::Tensor v_cache,
                               const torch::Tensor& slots, const torch::Tensor& positions,
-                              const torch::Tensor& o_weight, const c10::optional<torch::Tensor>& o_bias,
+                              const torch::Tensor& o_wt, const c10::optional<torch::Tensor>& o_bias,
                               double scaling, int64_t heads, int64_t kv_heads) {
   for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{
-           &h, &input_norm, &qkv_weight, &q_norm, &k_norm, &rope, &k_cache, &v_cache, &o_weight}) {
+           &h, &input_norm, &q_norm, &k_norm, &rope, &k_cache, &v_cache}) {
     check_f32(*t, "attention_block: every float input");
   }
   TORCH_CHECK(slots.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong,
@@ -200,11 +210,10 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
   TORCH_CHECK(heads % kv_heads == 0 && d % 2 == 0, "attention_block: heads must be a multiple of kv_heads");
   TORCH_CHECK(k_cache.size(1) == kv_heads && k_cache.size(2) == d && v_cache.size(2) == capacity,
               "attention_block: the KV cache does not match kv_heads / head_dim");
-  TORCH_CHECK(h.dim() == 2 && qkv_weight.size(0) == (heads + 2 * kv_heads) * d && qkv_weight.size(1) == h.size(1)
-                  && o_weight.size(1) == heads * d && rope.size(0) == n && rope.size(2) == d
-                  && slots.numel() == n && positions.numel() == n,
-              "attention_block: shapes disagree (h [N, hidden], qkv_weight [(heads + 2 kv) head_dim, hidden], "
-              "rope [N, 2, head_dim], one slot and position per row)");
+  TORCH_CHECK(h.dim() == 2 && rope.size(0) == n && rope.size(2) == d && slots.numel() == n && positions.numel() == n,
+              "attention_block: shapes disagree (h [N, hidden], rope [N, 2, head_dim], one slot and position per row)");
+  check_weight(qkv_wt, h.size(1), (heads + 2 * kv_heads) * d, "attention_block: qkv_wt");
+  check_weight(o_wt, heads * d, h.size(1), "attention_block: o_wt");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   int64_t longest = 0;
@@ -215,7 +224,7 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
   }
 
   auto x = rms_rows(h, input_norm, eps);
-  auto qkv = at::linear(x, qkv_weight, qkv_bias).contiguous();  // [N, (heads + 2 kv) d]
+  auto qkv = (qkv_bias ? at::addmm(*qkv_bias, x, qkv_wt) : at::mm(x, qkv_wt)).contiguous();  // [N, (heads + 2 kv) d]
   const int64_t width = (heads + 2 * kv_heads) * d;
   auto q = torch::empty({n, heads, d}, h.options());
   float* qp = q.data_ptr<float>();
@@ -323,18 +332,22 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
       }
     }
   });
-  return h + at::linear(attn, o_weight, o_bias);
+  return o_bias ? h + at::addmm(*o_bias, attn, o_wt) : at::addmm(h, attn, o_wt);  // the residual added in the GEMM
 }
 
-// The dense MLP block: h + down(silu(gate) * up) with gate, up = rms(h) * post_norm @ gate_up_weight^T
-// (gate rows first, as fused.py concatenates them).
+// The dense MLP block: h + down(silu(gate) * up) with gate, up = rms(h) * post_norm @ gate_up_wt (gate columns
+// first, as fused.py concatenates them); weights transposed, [in, out].
 torch::Tensor mlp_block(const torch::Tensor& h, const torch::Tensor& post_norm, double eps,
-                        const torch::Tensor& gate_up_weight, const torch::Tensor& down_weight) {
-  for (const torch::Tensor* t : {&h, &post_norm, &gate_up_weight, &down_weight}) check_f32(*t, "mlp_block: every input");
-  auto gate_up = at::linear(rms_rows(h, post_norm, eps), gate_up_weight);
+                        const torch::Tensor& gate_up_wt, const torch::Tensor& down_wt) {
+  check_f32(h, "mlp_block: h");
+  check_f32(post_norm, "mlp_block: post_norm");
+  TORCH_CHECK(h.dim() == 2 && gate_up_wt.dim() == 2 && gate_up_wt.size(1) % 2 == 0, "mlp_block: h must be [N, hidden]");
+  check_weight(gate_up_wt, h.size(1), gate_up_wt.size(1), "mlp_block: gate_up_wt");
+  check_weight(down_wt, gate_up_wt.size(1) / 2, h.size(1), "mlp_block: down_wt");
+  auto gate_up = at::mm(rms_rows(h, post_norm, eps), gate_up_wt);
   const int64_t inter = gate_up.size(1) / 2;
   auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));  // ATen's vectorized silu
-  return h + at::linear(act, down_weight);
+  return at::addmm(h, act, down_wt);  // the residual added in the GEMM
 }
 
 // HF's final RMSNorm over token rows (the logits' input).

@@ -120,6 +120,7 @@ class ModelRunner:
                       if self.unfused_reason is None else None)
         # The compiled CPU kernels (cpu_kernels.cpp) run the fused forward over token rows: a CPU in fp32 only
         # (None: wherever they apply and build; False: never; True: say why not when they can't).
+        self.weights_epoch = 0  # weight loads so far (`load_weights`): derived copies of the weights key on it
         self.kernels, self.kernels_reason = None, self._kernels_unavailable(cpu_kernels)
         if self.kernels_reason is None:
             from miles_agent.engines.embedded import cpu_kernels as compiled
@@ -282,7 +283,7 @@ class ModelRunner:
               routing: list[torch.Tensor] | None) -> torch.Tensor:
         """Hidden states [N, hidden] of N token rows through the compiled kernels (`FusedDecoder.forward_rows`)."""
         return self.fused.forward_rows(self.kernels, ids, slots, positions, self.k_cache, self.v_cache,
-                                       self.scaling, routing, self._mlp)
+                                       self.scaling, routing, self._mlp, self.weights_epoch)
 
     @staticmethod
     def _routing_rows(routing: list[torch.Tensor] | None) -> np.ndarray | None:
@@ -451,7 +452,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into parameters/buffers by HF name; check every name and shape before copying any."""
+        """Copy tensors into parameters/buffers by HF name; check every name and shape before copying any.
+        Every call counts a new weights epoch, an empty one too: a receiver that broadcast straight into the
+        parameters ends its sync with one, so copies derived from the weights are made again."""
+        self.weights_epoch += 1
         targets = dict(self.model.named_parameters(remove_duplicate=False))
         targets.update(self.model.named_buffers(remove_duplicate=False))
         for name, tensor in named_tensors:

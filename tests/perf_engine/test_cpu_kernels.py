@@ -130,12 +130,15 @@ def test_a_token_outside_the_cache_is_refused():
     capacity = fast.k_cache.shape[-1]
     args = dict(slots=torch.tensor([0]), positions=torch.tensor([capacity]))  # one past the cache's end
     with pytest.raises(RuntimeError, match="outside the KV cache"):
-        fast.kernels.attention_block(h, layer.input_layernorm.weight, 1e-6, qkv.weight, None, attn.q_norm.weight,
-                                     attn.k_norm.weight, 1e-6, rope, fast.k_cache[0], fast.v_cache[0],
-                                     args["slots"], args["positions"], o.weight, None, 0.17, 4, 2)
+        fast.kernels.attention_block(h, layer.input_layernorm.weight, 1e-6, qkv.weight.t(), None,
+                                     attn.q_norm.weight, attn.k_norm.weight, 1e-6, rope, fast.k_cache[0],
+                                     fast.v_cache[0], args["slots"], args["positions"], o.weight.t(), None, 0.17, 4, 2)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         fast.kernels.mlp_block(h.double(), layer.post_attention_layernorm.weight, 1e-6,
-                               fast.fused.gate_up[0].weight, fast.fused.down[0].weight)
+                               fast.fused.gate_up[0].weight.t(), fast.fused.down[0].weight.t())
+    with pytest.raises(RuntimeError, match="the weight transposed"):  # the module's [out, in] weight, not [in, out]
+        fast.kernels.mlp_block(h, layer.post_attention_layernorm.weight, 1e-6, fast.fused.gate_up[0].weight,
+                               fast.fused.down[0].weight)
 
 
 def test_the_switch_and_the_reasons(monkeypatch):
@@ -177,3 +180,41 @@ def test_the_kernel_sampler_draws_what_the_torch_sampler_draws():
     top = sample(logits[:1], [SamplingParams(max_new_tokens=1, temperature=1.0, top_k=1)], draws()[:1],
                  kernels=kernels)[0]
     assert top == [int(logits[0].argmax())]  # top_k=1 is greedy whatever the draw
+
+
+def test_transposed_weight_copies_follow_every_write():
+    """The kernels multiply small models' weights from transposed copies; a copy must never outlive the weights:
+    an in-place write through torch (its version counter), and a write torch does not count (``.data``, as a
+    collective's receive into a parameter may be) followed by the weight load every sync ends with."""
+    model, _ = build_tiny("tiny-qwen3")
+    fast, reference = runners(model)
+    assert fast.fused.transposed_copies
+    seqs, slots = prompts(2, 16, seed=11), [0, 1]
+
+    def perturbed(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()
+                if "proj" in n}
+
+    def compare() -> torch.Tensor:
+        with torch.inference_mode():
+            got, want = steps(fast, slots, seqs)[-1][0], steps(reference, slots, seqs)[-1][0]
+        assert torch.allclose(got, want, atol=TOL, rtol=0), (got - want).abs().max()
+        return got
+
+    before = compare()  # the copies exist now
+    new = perturbed(1)
+    with torch.no_grad():
+        for runner in (fast, reference):
+            for name, p in runner.model.named_parameters():
+                if name in new:
+                    p.copy_(new[name])
+    after = compare()
+    assert (after - before).abs().max() > 1e-2
+    newer = perturbed(2)
+    for runner in (fast, reference):
+        for name, p in runner.model.named_parameters():
+            if name in newer:
+                p.data.copy_(newer[name])  # no version bump
+        runner.load_weights([])
+    assert (compare() - after).abs().max() > 1e-2
