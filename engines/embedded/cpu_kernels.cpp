@@ -203,8 +203,9 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
            &h, &input_norm, &q_norm, &k_norm, &rope, &k_cache, &v_cache}) {
     check_f32(*t, "attention_block: every float input");
   }
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong,
-              "attention_block: slots and positions must be int64");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong && slots.is_contiguous()
+                  && positions.is_contiguous() && slots.device().is_cpu() && positions.device().is_cpu(),
+              "attention_block: slots and positions must be contiguous int64 CPU tensors");
   const int64_t n = h.size(0), d = q_norm.size(0), half = d / 2, group = heads / kv_heads;
   const int64_t capacity = k_cache.size(3), num_slots = k_cache.size(0);
   TORCH_CHECK(heads % kv_heads == 0 && d % 2 == 0, "attention_block: heads must be a multiple of kv_heads");

@@ -385,15 +385,15 @@ class ModelRunner:
 
         Returns float32 logits [B, V] and, when asked on a MoE model, int32 routing [B, moe_layers, top_k].
         """
-        pos = torch.tensor(positions, device=self.device)
         span = max(positions) + 1
         self.ensure_capacity(max(slots) + 1, span)
         routing: list[torch.Tensor] | None = [] if record_routing and self.is_moe else None
         if self._use_kernels() and not (rope_deltas and any(rope_deltas)):
-            h = self._rows(torch.tensor(tokens, device=self.device), torch.tensor(slots, device=self.device), pos,
-                           routing)
+            ids, rows_slot, rows_pos = torch.tensor([tokens, slots, positions], device=self.device)  # one copy in
+            h = self._rows(ids, rows_slot, rows_pos, routing)
             rows = self._routing_rows(routing)
             return self._logits(h, rows=True), (None if rows is None else rows[:, 0])
+        pos = torch.tensor(positions, device=self.device)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         visible = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [B, span]
         slot_idx = torch.tensor(slots, device=self.device)
