@@ -125,6 +125,7 @@ def measure(hidden: int, layers: int, repeats: int) -> tuple[int, int, dict, dic
         return time.perf_counter() - t
 
     seconds: dict[str, list[tuple[float, float]]] = {}  # per label: (raw, ours) per repeat
+    phases: dict[str, list[dict]] = {}  # per label: each timed push's stats (its phases, see EngineTransport.push)
 
     async def run() -> dict:
         version = 0
@@ -137,6 +138,7 @@ def measure(hidden: int, layers: int, repeats: int) -> tuple[int, int, dict, dic
             elapsed = time.perf_counter() - t
             if stats.get("sync_engines") != 1 or not stats.get("sync_bytes"):
                 raise SystemExit(f"a push did not reach the engine: {stats}")
+            push.last = stats
             return elapsed
 
         first = await checked.push(None, 1)  # rank 0 broadcast with checksums compared: must pass
@@ -152,6 +154,7 @@ def measure(hidden: int, layers: int, repeats: int) -> tuple[int, int, dict, dic
                 base, ours = timed(raw), await push(transport)
                 ratios[label].append(base / ours)
                 seconds.setdefault(label, []).append((base, ours))
+                phases.setdefault(label, []).append({**push.last, "driver_s": ours})
         return ratios
 
     try:
@@ -161,7 +164,13 @@ def measure(hidden: int, layers: int, repeats: int) -> tuple[int, int, dict, dic
         sup.kill()
         for peer in peers:
             ray.kill(peer)
-    return nbytes, len(shapes), ratios, seconds
+    return nbytes, len(shapes), ratios, seconds, phases
+
+
+def _ms(stats: list[dict], key: str) -> str:
+    """The median of ``key`` over pushes, in ms ('-' where the path does not report it)."""
+    values = [r[key] for r in stats if key in r]
+    return f"{statistics.median(values) * 1e3:6.1f}" if values else "     -"
 
 
 def main() -> None:
@@ -186,11 +195,18 @@ def main() -> None:
     finally:
         ray.shutdown()
     print("cost vs bytes (median ms per push, raw / ours):")
-    for nbytes, _, _, seconds in runs:
+    for nbytes, _, _, seconds, _ in runs:
         cells = [f"{label.split(' /')[0]} {statistics.median(r for r, _ in s) * 1e3:6.1f} / "
                  f"{statistics.median(o for _, o in s) * 1e3:6.1f}" for label, s in seconds.items()]
         print(f"  {nbytes / 2**20:6.0f} MiB   " + "   ".join(cells))
-    nbytes, tensors, ratios, seconds = runs[-1]
+    nbytes, tensors, ratios, seconds, phases = runs[-1]
+    print(f"where a {nbytes / 2**20:.0f} MiB push spends its time (median ms): the driver's wait; inside it the "
+          "sender's push: pause, send (of which broadcasting), continue")
+    for label, runs_stats in phases.items():
+        print(f"  {label.split(' /')[0]:18s} driver {_ms(runs_stats, 'driver_s')}  push "
+              f"{_ms(runs_stats, 'sync_seconds')}  pause {_ms(runs_stats, 'sync_pause_s')}  send "
+              f"{_ms(runs_stats, 'sync_send_s')} ({_ms(runs_stats, 'sync_broadcast_s')})  continue "
+              f"{_ms(runs_stats, 'sync_continue_s')}")
     print(f"weights: {nbytes / 2**20:.0f} MiB fp32 ({tensors} tensors), {repeats} repeats, "
           f"load average {os.getloadavg()[0]:.1f}")
     result = {"bytes": nbytes, "repeats": repeats, "ratios": {}}

@@ -48,16 +48,23 @@ class EngineTransport(ABC):
         self.pause_mode = PauseMode(pause_mode)
 
     async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Pause the engines, send, (check,) continue them. The stats time each phase: ``sync_pause_s``,
+        ``sync_send_s`` and ``sync_continue_s`` within ``sync_seconds`` (where a slow push spends its time)."""
         t0 = time.perf_counter()
         await self._each(lambda e: e.pause_generation(mode=str(self.pause_mode)))
+        t_paused = time.perf_counter()
         expected: dict[str, str] | None = {} if self.check else None
         try:
             stats = await self._send(self._mapped(named_tensors, expected), version)
+            stats["sync_send_s"] = time.perf_counter() - t_paused
             if expected is not None:
                 await self.verify(expected, version)
         finally:
+            t_continue = time.perf_counter()
             await self._each(lambda e: e.continue_generation())
         stats["sync_seconds"] = time.perf_counter() - t0
+        stats["sync_pause_s"] = t_paused - t0
+        stats["sync_continue_s"] = time.perf_counter() - t_continue
         if self.check:
             stats["sync_checked_tensors"] = float(len(expected or {}))
         return stats

@@ -21,6 +21,7 @@ theirs, a TCP rendezvous and a group-name key prefix, so a real SGLang server ca
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,7 @@ class DistributedTransport(EngineTransport):
         inflight: deque[tuple[asyncio.Future, list[asyncio.Future], str]] = deque()
         last_send: asyncio.Future | None = None
         total, n = 0, 0
+        busy = [0.0]  # seconds this side spent inside broadcasts (the rest of the send waited on the engines)
         try:
             for bucket in flat_buckets(named_tensors, self.bucket_bytes):
                 if self.flatten:
@@ -113,7 +115,7 @@ class DistributedTransport(EngineTransport):
                                 load_format="flattened_bucket" if self.flatten else None)
                 receives = [asyncio.ensure_future(e.update_weights_from_distributed(**announce))
                             for e in self.engines]
-                last_send = asyncio.ensure_future(_broadcast_after(last_send, wire, self.group))
+                last_send = asyncio.ensure_future(_broadcast_after(last_send, wire, self.group, busy))
                 inflight.append((last_send, receives, f"bucket {n} (first tensor {metas[0].name!r})"))
                 total += metas[-1].end_idx
                 n += 1
@@ -125,7 +127,7 @@ class DistributedTransport(EngineTransport):
             for send, receives, _ in inflight:  # after a failure: consume what is still pending
                 for f in (send, *receives):
                     f.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return {"sync_bytes": float(total), "sync_buckets": float(n)}
+        return {"sync_bytes": float(total), "sync_buckets": float(n), "sync_broadcast_s": busy[0]}
 
     async def _finish(self, send: asyncio.Future, receives: list[asyncio.Future], what: str) -> None:
         try:
@@ -138,13 +140,19 @@ class DistributedTransport(EngineTransport):
             raise
 
 
-async def _broadcast_after(previous: asyncio.Future | None, wire: list[torch.Tensor], group: Any) -> None:
-    """Broadcast ``wire`` once the previous bucket's broadcast is done (collectives run in issue order)."""
+async def _broadcast_after(previous: asyncio.Future | None, wire: list[torch.Tensor], group: Any,
+                           busy: list[float]) -> None:
+    """Broadcast ``wire`` once the previous bucket's broadcast is done (collectives run in issue order);
+    adds the seconds spent broadcasting to ``busy[0]``."""
     if previous is not None:
         await asyncio.wait([previous])
         if previous.cancelled() or previous.exception() is not None:
             raise WeightSyncError("not sent: the previous bucket's broadcast failed")
-    await asyncio.to_thread(_broadcast_all, wire, group)
+    t0 = time.perf_counter()
+    try:
+        await asyncio.to_thread(_broadcast_all, wire, group)
+    finally:
+        busy[0] += time.perf_counter() - t0
 
 
 def outgoing(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:

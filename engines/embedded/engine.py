@@ -26,7 +26,9 @@ and a group's n samples compute their shared prompt once (a request whose prompt
 waits one step, then copies it). The cached KV gives the same logprobs (bitwise in true on-policy
 mode), keeps R3 routing rows beside it, and is dropped on every weight update. Long prompts are
 prefilled in chunks of ``prefill_chunk_tokens`` between decode steps. ``cache_hit_rate`` = prompt
-tokens reused / prompt tokens admitted.
+tokens reused / prompt tokens admitted. A freed KV slot also remembers the tokens its KV covers: a request
+that starts with them (an episode's next turn) takes that slot back and copies nothing
+(``stats["warm_slot_tokens"]``); the tree still serves every other sharer.
 
 EOS: like SGLang (without ``ignore_eos``), the model's EOS ids stop generation (finish ``stop``, EOS
 kept) in addition to the request's ``stop_token_ids``.
@@ -111,7 +113,8 @@ class EmbeddedEngine:
         self._version = int(weight_version)
         self.stats: dict[str, int] = dict(decode_steps=0, decoded_sequences=0, prefill_batches=0,
                                           prefilled_sequences=0, prefill_tokens=0, generated_tokens=0,
-                                          retractions=0, failed_steps=0, prompt_tokens=0, cached_tokens=0)
+                                          retractions=0, failed_steps=0, prompt_tokens=0, cached_tokens=0,
+                                          warm_slot_tokens=0)
         r = self.runner
         per_token = 2 * len(r.layers) * r.num_kv_heads * r.head_dim * r.dtype.itemsize
         self.cache = PrefixCache(prefix_cache_bytes // per_token)  # 0 bytes turns it off
@@ -119,6 +122,9 @@ class EmbeddedEngine:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._free_slots = list(range(max_batch_size))  # a min-heap: the lowest free slot goes first
+        # Free slots whose KV is still that of the tokens their last sequence ended with (this weights epoch):
+        # an episode's next turn starts with those tokens, and taking that slot back copies nothing.
+        self._slot_tokens: dict[int, tuple[list[int], int]] = {}
         self._paused = False
         self._stopped = False
         self._dead: BaseException | None = None
@@ -228,6 +234,7 @@ class EmbeddedEngine:
             await asyncio.to_thread(self.runner.load_weights, items)
             self._epoch += 1
             self.cache.clear()  # everything cached was computed by the old weights
+            self._slot_tokens.clear()  # and so was every free slot's KV
             self._version = int(version)
 
     async def health(self) -> bool:
@@ -254,6 +261,7 @@ class EmbeddedEngine:
                 await self._task
         self.runner.release()
         self.cache.clear()
+        self._slot_tokens.clear()
 
     @contextlib.asynccontextmanager
     async def _exclusive(self) -> Any:
@@ -375,7 +383,16 @@ class EmbeddedEngine:
                 break
             if self.cache.max_tokens and key is not None:
                 pending.add(key)
-            seq.slot, seq.kv_epoch = heapq.heappop(self._free_slots), self._epoch
+            warm = self._warm_slot(tokens) if shared and self.cache.max_tokens and not seq.want_routing else None
+            if warm is not None and warm[1] >= hit:  # the slot already holds the prefix: nothing to copy
+                (seq.slot, seq.cache_len), path, hit = warm, [], warm[1]
+                self._free_slots.remove(seq.slot)
+                heapq.heapify(self._free_slots)
+                self.stats["warm_slot_tokens"] += hit
+            else:
+                seq.slot = heapq.heappop(self._free_slots)
+            self._slot_tokens.pop(seq.slot, None)
+            seq.kv_epoch = self._epoch
             self.stats["prompt_tokens"] += len(tokens)
             self.stats["cached_tokens"] += hit
             admitted.append((seq, path))
@@ -526,8 +543,23 @@ class EmbeddedEngine:
         if any(s.cancelled for s in [*self._running, *self._waiting]):
             self._resolve()
 
+    def _warm_slot(self, tokens: list[int]) -> tuple[int, int] | None:
+        """A free slot whose KV is a prefix of ``tokens`` (leaving at least the last one to compute), computed
+        by the current weights: (slot, that prefix's length), the longest such; else None."""
+        best = None
+        for slot, (held, epoch) in self._slot_tokens.items():
+            n = len(held)
+            if (epoch == self._epoch and n < len(tokens) and (best is None or n > best[1])
+                    and held[-1] == tokens[n - 1] and held[0] == tokens[0] and tokens[:n] == held):
+                best = (slot, n)
+        return best
+
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
+            # Its KV stays valid for the tokens it covers unless the sequence failed mid-step or the weights changed.
+            if (seq.error is None and seq.prefilled and seq.cache_len and seq.kv_epoch == self._epoch
+                    and not getattr(seq.sampling, "lora_path", None) and not seq.images):
+                self._slot_tokens[seq.slot] = (seq.tokens[:seq.cache_len], self._epoch)
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = None
         seq.cache_len, seq.prefilled, seq.vision = 0, False, None  # image features are re-encoded with the weights

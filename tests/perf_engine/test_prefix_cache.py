@@ -244,3 +244,34 @@ def test_routing_rows_are_stored_and_filled_in():
     cache.insert([1, 2, 3], lambda a, b: kv(b - a, a), rows)
     n, path = cache.match([1, 2, 3], 3, True)
     assert n == 3 and PrefixCache.gather(path)[2].flatten().tolist() == [0, 1, 2]
+
+
+def test_an_episodes_next_turn_takes_its_warm_slot_back_and_copies_nothing(models):
+    """A freed slot remembers the tokens its KV covers; the episode's next turn starts with them and gets that
+    slot back (no copy out of the tree), with bitwise the logprobs of the tree's copy."""
+    warm, copied = engine_for(models), engine_for(models)
+    copied._warm_slot = lambda tokens: None  # every hit copies its prefix out of the tree
+    a, b = episodes(warm, 3), episodes(copied, 3)
+    assert [x.output_logprobs for x in flat(a)] == [y.output_logprobs for y in flat(b)]
+    # turns 2 and 3 of the 3 episodes: the whole previous sequence (prompt + reply but its last token) was warm
+    assert warm.stats["warm_slot_tokens"] == 3 * sum(20 + 17 * t - 6 for t in range(1, 3))
+    assert warm.stats["cached_tokens"] == copied.stats["cached_tokens"] and copied.stats["warm_slot_tokens"] == 0
+
+
+def test_a_warm_slot_is_not_reused_after_a_weight_update_or_by_another_prompt(models):
+    engine = engine_for(models)
+    first, other = prompts(2, 30, seed=12)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+
+    async def main():
+        out = await engine.generate(first, greedy)
+        await engine.generate(other, greedy)  # shares no prefix: must not take (or trust) the warm slot
+        assert engine.stats["warm_slot_tokens"] == 0
+        await engine.update_weights([(n, p.detach() * 1.01) for n, p in engine.model.named_parameters()], 1)
+        second = first + out.output_ids
+        reply = await engine.generate(second, greedy)  # the old weights' KV: recomputed
+        assert engine.stats["warm_slot_tokens"] == 0
+        await engine.generate(second + reply.output_ids + [1, 2], greedy)  # the new weights' KV: warm
+        return engine.stats["warm_slot_tokens"]
+
+    assert asyncio.run(main()) > 0
