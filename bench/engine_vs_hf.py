@@ -14,7 +14,7 @@ equal; the figure is generated tokens per second of wall time, and the ratios ar
     python bench/engine_vs_hf.py --peers --torch-forward   # the same without the compiled CPU kernels
 
 ``--peers`` prints min / median / max of engine / HF (batched generate over the whole context each
-turn) per turn count, the engine's prefix-cache hit rate, the machine load beside them, and a table of
+turn; the two alternate which runs first, repeat by repeat) per turn count, the engine's prefix-cache hit rate, the machine load beside them, and a table of
 cost against work: the engine's decode step against batch size and sequence length, and each turn's
 wall time against the turn number for both sides. On shared cores it also prints the ratio of process
 CPU time, which the other jobs' load disturbs less than wall time.
@@ -125,12 +125,14 @@ def peers(engine: EmbeddedEngine, model, a: argparse.Namespace) -> None:  # noqa
             engine.cache.clear()  # each run starts cold: nothing from the previous repeat
             before = dict(engine.stats)
             times: dict[str, list[float]] = {"engine": [], "hf": []}
-            t0, c0 = time.perf_counter(), time.process_time()
-            run_engine(engine, prompts, turns, 32, times["engine"])
-            t_engine, c_engine = time.perf_counter() - t0, time.process_time() - c0
-            t0, c0 = time.perf_counter(), time.process_time()
-            run_hf_batched(model, prompts, turns, 32, times["hf"])
-            t_hf, c_hf = time.perf_counter() - t0, time.process_time() - c0
+            measured = {}
+            sides = [("engine", lambda n=turns, t=times: run_engine(engine, prompts, n, 32, t["engine"])),
+                     ("hf", lambda n=turns, t=times: run_hf_batched(model, prompts, n, 32, t["hf"]))]
+            for side, run in sides if rep % 2 == 0 else sides[::-1]:  # alternate who goes first (ABBA)
+                t0, c0 = time.perf_counter(), time.process_time()
+                run()
+                measured[side] = (time.perf_counter() - t0, time.process_time() - c0)
+            (t_engine, c_engine), (t_hf, c_hf) = measured["engine"], measured["hf"]
             cpu_ratios[turns].append(c_hf / c_engine)
             prompt = engine.stats["prompt_tokens"] - before["prompt_tokens"]
             hits[turns].append((engine.stats["cached_tokens"] - before["cached_tokens"]) / max(1, prompt))
