@@ -75,9 +75,14 @@ class EngineActor:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, flush_cache: bool, weight_version: str | None,
-                                              load_format: str | None, bucket: int | None = None) -> None:
+                                              load_format: str | None, bucket: int | None = None,
+                                              pause: str | None = None) -> None:
         """``bucket``: the announcement's number in its group. Ray starts an async actor's calls in no
-        guaranteed order, so the receiver takes the buckets in this order, not in the order they started."""
+        guaranteed order, so the receiver takes the buckets in this order, not in the order they started.
+        ``pause``: pause generation (that mode) first -- the push's pause, carried by its first announcement;
+        later buckets wait for this one's turn, so none touches a weight before it."""
+        if pause is not None:
+            await self.receiver.pause_generation(pause)
         await self.receiver.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache,
                                                             weight_version, load_format, bucket=bucket)
 
