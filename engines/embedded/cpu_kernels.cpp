@@ -208,11 +208,17 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
               "attention_block: slots and positions must be contiguous int64 CPU tensors");
   const int64_t n = h.size(0), d = q_norm.size(0), half = d / 2, group = heads / kv_heads;
   const int64_t capacity = k_cache.size(3), num_slots = k_cache.size(0);
-  TORCH_CHECK(heads % kv_heads == 0 && d % 2 == 0, "attention_block: heads must be a multiple of kv_heads");
-  TORCH_CHECK(k_cache.size(1) == kv_heads && k_cache.size(2) == d && v_cache.size(2) == capacity,
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && d % 2 == 0,
+              "attention_block: heads must be a multiple of kv_heads, and head_dim even");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(1) == kv_heads && k_cache.size(2) == d
+                  && v_cache.size(0) == num_slots && v_cache.size(1) == kv_heads && v_cache.size(2) == capacity
+                  && v_cache.size(3) == d,
               "attention_block: the KV cache does not match kv_heads / head_dim");
-  TORCH_CHECK(h.dim() == 2 && rope.size(0) == n && rope.size(2) == d && slots.numel() == n && positions.numel() == n,
-              "attention_block: shapes disagree (h [N, hidden], rope [N, 2, head_dim], one slot and position per row)");
+  TORCH_CHECK(h.dim() == 2 && input_norm.numel() == h.size(1) && k_norm.numel() == d && rope.dim() == 3
+                  && rope.size(0) == n && rope.size(1) == 2 && rope.size(2) == d && slots.numel() == n
+                  && positions.numel() == n,
+              "attention_block: shapes disagree (h [N, hidden], input_norm [hidden], q/k norms [head_dim], "
+              "rope [N, 2, head_dim], one slot and position per row)");
   check_weight(qkv_wt, h.size(1), (heads + 2 * kv_heads) * d, "attention_block: qkv_wt");
   check_weight(o_wt, heads * d, h.size(1), "attention_block: o_wt");
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -342,7 +348,8 @@ torch::Tensor mlp_block(const torch::Tensor& h, const torch::Tensor& post_norm, 
                         const torch::Tensor& gate_up_wt, const torch::Tensor& down_wt) {
   check_f32(h, "mlp_block: h");
   check_f32(post_norm, "mlp_block: post_norm");
-  TORCH_CHECK(h.dim() == 2 && gate_up_wt.dim() == 2 && gate_up_wt.size(1) % 2 == 0, "mlp_block: h must be [N, hidden]");
+  TORCH_CHECK(h.dim() == 2 && post_norm.numel() == h.size(1) && gate_up_wt.dim() == 2 && gate_up_wt.size(1) % 2 == 0,
+              "mlp_block: h must be [N, hidden], post_norm [hidden], gate_up_wt [hidden, 2 intermediate]");
   check_weight(gate_up_wt, h.size(1), gate_up_wt.size(1), "mlp_block: gate_up_wt");
   check_weight(down_wt, gate_up_wt.size(1) / 2, h.size(1), "mlp_block: down_wt");
   auto gate_up = at::mm(rms_rows(h, post_norm, eps), gate_up_wt);
@@ -355,6 +362,7 @@ torch::Tensor mlp_block(const torch::Tensor& h, const torch::Tensor& post_norm, 
 torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& weight, double eps) {
   check_f32(h, "rms_norm: h");
   check_f32(weight, "rms_norm: weight");
+  TORCH_CHECK(h.dim() == 2 && weight.numel() == h.size(1), "rms_norm: h must be [N, hidden] and weight [hidden]");
   return rms_rows(h, weight, eps);
 }
 
