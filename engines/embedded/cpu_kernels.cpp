@@ -291,18 +291,25 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
       for (int64_t g = 0; g < group; ++g, ++r) visit(r, tile.first_token + u, tile.kv_head * group + g);
     }
   };
+  // Points each tile row at its input row (stride `in_width`) and output row (stride `out_width`); returns the
+  // tile's span, its longest token's positions.
+  auto point_rows = [&](const Tile& tile, const float* in, int64_t in_width, const float** in_rows, float* out,
+                        int64_t out_width, float** out_rows) {
+    int64_t span = 0;
+    tile_rows(tile, [&](int64_t r, int64_t t, int64_t head) {
+      in_rows[r] = in + (t * heads + head) * in_width;
+      out_rows[r] = out + (t * heads + head) * out_width;
+      span = std::max(span, pos[t] + 1);
+    });
+    return span;
+  };
   const int64_t tiles_n = static_cast<int64_t>(tiles.size());
   at::parallel_for(0, tiles_n, 1, [&](int64_t begin, int64_t end) {
     std::vector<const float*> q_rows(kTileRows * std::max<int64_t>(1, group));
     std::vector<float*> out_rows(q_rows.size());
     for (int64_t i = begin; i < end; ++i) {
       const Tile& tile = tiles[i];
-      int64_t span = 0;
-      tile_rows(tile, [&](int64_t r, int64_t t, int64_t head) {
-        q_rows[r] = qp + (t * heads + head) * d;
-        out_rows[r] = sp + (t * heads + head) * longest;
-        span = std::max(span, pos[t] + 1);
-      });
+      const int64_t span = point_rows(tile, qp, d, q_rows.data(), sp, longest, out_rows.data());
       const int64_t rows = tile.tokens * group;
       const float* keys = kc + ((slot[tile.first_token] * kv_heads + tile.kv_head) * d) * capacity;
       const ScoresFn fn = rows <= kTileRows ? pick_scores(rows) : nullptr;
@@ -323,12 +330,7 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
     std::vector<float*> out_rows(p_rows.size());
     for (int64_t i = begin; i < end; ++i) {
       const Tile& tile = tiles[i];
-      int64_t span = 0;
-      tile_rows(tile, [&](int64_t r, int64_t t, int64_t head) {
-        p_rows[r] = sp + (t * heads + head) * longest;
-        out_rows[r] = ap + (t * heads + head) * d;
-        span = std::max(span, pos[t] + 1);
-      });
+      const int64_t span = point_rows(tile, sp, longest, p_rows.data(), ap, d, out_rows.data());
       const int64_t rows = tile.tokens * group;
       const float* values = vc + ((slot[tile.first_token] * kv_heads + tile.kv_head) * capacity) * d;
       const ValuesFn fn = rows <= kTileRows ? pick_values(d, rows) : nullptr;

@@ -88,6 +88,8 @@ class _FusedBlock:
     def __init__(self, modules: list[nn.Linear]) -> None:
         self.modules = modules
         self.weight, self.bias = self._fuse()
+        self._transposed: torch.Tensor | None = None
+        self._transposed_key: tuple = ()
 
     @torch.no_grad()
     def _fuse(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -132,7 +134,7 @@ class _FusedBlock:
         if not copy:
             return self.weight.t()
         key = (epoch, self.weight.data_ptr(), *(p._version for p, _ in self._expected))
-        if getattr(self, "_transposed_key", None) != key:
+        if self._transposed_key != key:
             self._transposed, self._transposed_key = self.weight.detach().t().contiguous(), key
         return self._transposed
 
@@ -161,6 +163,8 @@ class FusedDecoder:
         blocks = [b for b in (*self.qkv, *self.o, *self.gate_up, *self.down) if b is not None]
         self.transposed_copies = sum(b.weight.numel() * b.weight.element_size() for b in blocks) <= TRANSPOSED_COPIES_MAX_BYTES
         self._held = self._held_tensors()
+        self._args: list[tuple] = []
+        self._args_key: tuple = ()
         self._table: torch.Tensor | None = None  # [positions, 2, head_dim]: cos, sin with its first half negated
         self._table_key: tuple = ()
 
@@ -249,7 +253,7 @@ class FusedDecoder:
         weights epoch, or a parameter whose object, storage or version counter differs -- checked every
         forward from the modules' parameter dicts, ~20 us against ~150 for the lookups it saves."""
         key = self._weights_key(epoch)
-        if key != getattr(self, "_args_key", None):
+        if key != self._args_key:
             self.refresh()
             copies, args = self.transposed_copies, []
             for i, layer in enumerate(self.layers):

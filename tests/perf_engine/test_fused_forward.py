@@ -39,15 +39,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def require_cpu_kernels() -> None:
-    """Skip where no C++ toolchain could build the kernels; where one is, a failed build fails the test."""
-    from miles_agent.engines.embedded import cpu_kernels
-
-    if cpu_kernels.toolchain_missing():
-        pytest.skip(f"{cpu_kernels.toolchain_missing()}: the engine runs its torch forward")
-    assert cpu_kernels.load() is not None, cpu_kernels.unavailable_reason()
-
-
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 250, (length + 7 * i,), generator=g).tolist() for i in range(n)]
@@ -83,10 +74,10 @@ def both_paths(runner, slots, seqs) -> tuple[list[torch.Tensor], list[torch.Tens
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("slots", [[0, 1, 2], [5, 1, 3]], ids=["contiguous", "scattered"])
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-kernels"])
-def test_fused_forward_matches_the_module_forward(models, arch, slots, kernels):
+def test_fused_forward_matches_the_module_forward(models, arch, slots, kernels, request):
     """The fused forward in torch, and through the compiled CPU kernels (cpu_kernels.cpp), against HF's modules."""
     if kernels:
-        require_cpu_kernels()
+        request.getfixturevalue("kernels_built")
     model, tok = models[arch]
     engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=8, cpu_kernels=kernels)
     assert (engine.runner.kernels is not None) == kernels
@@ -114,9 +105,9 @@ def perturbed(model: torch.nn.Module, scale: float) -> list[tuple[str, torch.Ten
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-kernels"])
-def test_a_weight_sync_reaches_the_fused_weights(models, kernels):
+def test_a_weight_sync_reaches_the_fused_weights(models, kernels, request):
     if kernels:
-        require_cpu_kernels()
+        request.getfixturevalue("kernels_built")
     model, tok = models["tiny-qwen3"]
     engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=4, cpu_kernels=kernels)
     seqs = prompts(2, 16, seed=4)
@@ -128,11 +119,11 @@ def test_a_weight_sync_reaches_the_fused_weights(models, kernels):
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-kernels"])
-def test_new_parameter_storage_is_refused_again(models, kernels):
+def test_new_parameter_storage_is_refused_again(models, kernels, request):
     """``model.to`` off the device and back gives every parameter new storage: the next forward re-fuses
     from it instead of reading the old fused tensors."""
     if kernels:
-        require_cpu_kernels()
+        request.getfixturevalue("kernels_built")
     model, tok = models["tiny-qwen3"]
     engine = EmbeddedEngine(copy.deepcopy(model), tok, max_batch_size=4, cpu_kernels=kernels)
     runner, seqs = engine.runner, prompts(2, 16, seed=5)
