@@ -48,38 +48,94 @@ inline void rms_row(const float* x, float* out, const float* weight, int64_t n, 
   }
 }
 
-// Eight floats as one value: GCC / Clang lower it to the machine's vector registers (AVX, AVX-512, NEON), so
-// the hot loops below keep their partial sums in registers without per-ISA intrinsics.
-typedef float vec8 __attribute__((vector_size(32)));
-inline vec8 load8(const float* p) {
-  vec8 v;
+// Sixteen floats as one value: GCC / Clang lower them to the machine's vector registers (AVX-512, AVX,
+// NEON; a width the machine lacks becomes two or four of its own), so the hot loops below keep their partial
+// sums in registers without per-ISA intrinsics.
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+inline vec16 load16(const float* p) {
+  vec16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
+inline vec16 splat16(float a) { return vec16{} + a; }
+inline float hmax16(vec16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float hsum16(vec16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// e^x for x <= 0 (a score minus its row's maximum), 16 lanes: Cephes' single-precision expf (range reduction by
+// ln 2 in two parts, degree-6 polynomial; within ~1 ulp, as ATen's Sleef exp). Below -87.3 it returns ~1e-38,
+// not 0: such a term is 38 orders under the row's largest and cannot move a sum.
+inline vec16 exp16(vec16 x) {
+  const vec16 floor_x = splat16(-87.33654f);
+  x = x < floor_x ? floor_x : x;
+  vec16 n = x * 1.44269504088896341f;
+  n = (n + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23)
+  const vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vec16 p = splat16(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vec16 y = p * (r * r) + r + 1.f;
+  const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;  // 2^n
+  vec16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+constexpr int kTileRows = 8;  // query rows that share one pass over a kv head's keys and values
 
 // out[r][s] = scale * (q[r] . key[s]) for R query rows against one kv head's keys (transposed, [d, capacity])
-// at positions 0..span-1: 32 positions at a time, each key row read once for all R queries.
+// at positions 0..span-1: P = 16 W positions at a time, each key row read once for all R queries. Positions
+// past `span` in the last block are computed and dropped when the cache row has room for them.
+// out[r][s] = scale * (q[r] . key[s]) for R query rows against one kv head's keys (transposed, [d, capacity]) at
+// positions s0.., 16 W at a time while the cache row has room for a whole block, each key row read once for all R
+// queries; positions past `span` in the last block are computed and dropped. Returns the first position left.
+template <int R, int W>
+int64_t score_blocks(const float* const* q, const float* keys, int64_t capacity, int64_t d, int64_t s0, int64_t span,
+                     float scale, float* const* out) {
+  for (; s0 < span && s0 + 16 * W <= capacity; s0 += 16 * W) {
+    vec16 acc[R][W] = {};
+    for (int64_t i = 0; i < d; ++i) {
+      const float* row = keys + i * capacity + s0;
+      vec16 k[W];
+      for (int w = 0; w < W; ++w) k[w] = load16(row + 16 * w);
+      for (int r = 0; r < R; ++r) {
+        const float a = q[r][i];
+        for (int w = 0; w < W; ++w) acc[r][w] += a * k[w];
+      }
+    }
+    const int64_t lanes = std::min<int64_t>(16 * W, span - s0);
+    for (int r = 0; r < R; ++r) {
+      if (lanes == 16 * W) {
+        for (int w = 0; w < W; ++w) store16(out[r] + s0 + 16 * w, acc[r][w] * scale);
+      } else {  // the last block: only the positions in the span
+        float block[16 * W];
+        for (int w = 0; w < W; ++w) store16(block + 16 * w, acc[r][w] * scale);
+        std::copy(block, block + lanes, out[r] + s0);
+      }
+    }
+  }
+  return s0;
+}
+
+// All of a tile's scores: wide blocks (fewer rows keep more positions in registers), then 16 at a time, then the
+// cache's last few positions one by one.
 template <int R>
 void tile_scores(const float* const* q, const float* keys, int64_t capacity, int64_t d, int64_t span, float scale,
                  float* const* out) {
-  constexpr int kVecs = 4;
-  int64_t s0 = 0;
-  for (; s0 + 8 * kVecs <= span; s0 += 8 * kVecs) {
-    vec8 acc[R][kVecs] = {};
-    for (int64_t i = 0; i < d; ++i) {
-      const float* row = keys + i * capacity + s0;
-      vec8 k[kVecs];
-      for (int w = 0; w < kVecs; ++w) k[w] = load8(row + 8 * w);
-      for (int r = 0; r < R; ++r) {
-        const float a = q[r][i];
-        for (int w = 0; w < kVecs; ++w) acc[r][w] += a * k[w];
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int w = 0; w < kVecs; ++w) store8(out[r] + s0 + 8 * w, acc[r][w] * scale);
-    }
-  }
+  int64_t s0 = score_blocks<R, (R <= 4 ? 4 : 2)>(q, keys, capacity, d, 0, span, scale, out);
+  s0 = score_blocks<R, 1>(q, keys, capacity, d, s0, span, scale, out);
   for (; s0 < span; ++s0) {
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
@@ -89,86 +145,110 @@ void tile_scores(const float* const* q, const float* keys, int64_t capacity, int
   }
 }
 
-// out[r] = sum_s p[r][s] * value[s] for R weight rows over one kv head's values [span, D], each row read once.
-template <int D, int R>
-void tile_values(const float* const* p, const float* values, int64_t span, float* const* out) {
-  constexpr int kVecs = D / 8;
-  vec8 acc[R][kVecs] = {};
+// A row's softmax in place over its first `len` scores, and zeros up to `span` (the tile's longest row), so the
+// weighted sum runs over the same span for every row; returns 1 / the sum of the exponentials.
+inline float softmax_row(float* s, int64_t len, int64_t span) {
+  int64_t i = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  if (len >= 16) {
+    vec16 mv = load16(s);
+    for (i = 16; i + 16 <= len; i += 16) {
+      const vec16 x = load16(s + i);
+      mv = x > mv ? x : mv;
+    }
+    m = hmax16(mv);
+  }
+  for (; i < len; ++i) m = std::max(m, s[i]);
+  vec16 sumv = {};
+  for (i = 0; i + 16 <= len; i += 16) {
+    const vec16 e = exp16(load16(s + i) - m);
+    store16(s + i, e);
+    sumv += e;
+  }
+  float sum = hsum16(sumv);
+  if (i < len) {  // the last partial vector, through a padded copy
+    float tail[16];
+    std::fill(tail, tail + 16, m);
+    std::copy(s + i, s + len, tail);
+    store16(tail, exp16(load16(tail) - m));
+    for (int64_t j = i; j < len; ++j) {
+      s[j] = tail[j - i];
+      sum += s[j];
+    }
+  }
+  std::fill(s + len, s + span, 0.f);
+  return 1.f / sum;
+}
+
+// out[r] = inv[r] * sum_s p[r][s] * value[s] for R weight rows over one kv head's values [span, d], 16 C dims at a
+// time from `first`, each value row's chunk read once for all R rows.
+template <int R, int C>
+void tile_values(const float* const* p, const float* values, int64_t d, int64_t first, int64_t span,
+                 const float* inv, float* const* out) {
+  vec16 acc[R][C] = {};
   for (int64_t s = 0; s < span; ++s) {
-    const float* row = values + s * D;
-    vec8 v[kVecs];
-    for (int k = 0; k < kVecs; ++k) v[k] = load8(row + 8 * k);
+    const float* row = values + s * d + first;
+    vec16 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(row + 16 * c);
     for (int r = 0; r < R; ++r) {
       const float w = p[r][s];
-      for (int k = 0; k < kVecs; ++k) acc[r][k] += w * v[k];
+      for (int c = 0; c < C; ++c) acc[r][c] += w * v[c];
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int k = 0; k < kVecs; ++k) store8(out[r] + 8 * k, acc[r][k]);
+    for (int c = 0; c < C; ++c) store16(out[r] + first + 16 * c, acc[r][c] * inv[r]);
   }
 }
 
-// Any other head size: plain loops (correct, slower).
-void any_scores(const float* const* q, int64_t rows, const float* keys, int64_t capacity, int64_t d, int64_t span,
-                float scale, float* const* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    std::fill(out[r], out[r] + span, 0.f);
-    for (int64_t i = 0; i < d; ++i) {
-      const float a = q[r][i];
-      const float* row = keys + i * capacity;
-      for (int64_t s = 0; s < span; ++s) out[r][s] += a * row[s];
-    }
-    for (int64_t s = 0; s < span; ++s) out[r][s] *= scale;
-  }
-}
-
-void any_values(const float* const* p, int64_t rows, const float* values, int64_t d, int64_t span,
-                float* const* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    std::fill(out[r], out[r] + d, 0.f);
-    for (int64_t s = 0; s < span; ++s) {
-      for (int64_t i = 0; i < d; ++i) out[r][i] += p[r][s] * values[s * d + i];
+template <int R>
+void tile_values_all(const float* const* p, const float* values, int64_t d, int64_t span, const float* inv,
+                     float* const* out) {
+  int64_t first = 0;
+  for (; first + 32 <= d; first += 32) tile_values<R, 2>(p, values, d, first, span, inv, out);
+  for (; first + 16 <= d; first += 16) tile_values<R, 1>(p, values, d, first, span, inv, out);
+  for (int r = 0; r < R; ++r) {  // a head size that is no multiple of 16: its last dims in plain loops
+    for (int64_t i = first; i < d; ++i) {
+      float acc = 0.f;
+      for (int64_t s = 0; s < span; ++s) acc += p[r][s] * values[s * d + i];
+      out[r][i] = acc * inv[r];
     }
   }
 }
 
-constexpr int kTileRows = 8;  // query rows that share one pass over a kv head's keys and values
+// One tile's attention, exact (scores, their softmax, the weighted sum of values): R query rows of one kv head,
+// row r seeing positions 0..lens[r]-1. `buf`: R rows of `stride` >= the longest len floats.
+template <int R>
+void attend_tile(const float* const* q, const int64_t* lens, const float* keys, const float* values,
+                 int64_t capacity, int64_t d, float scale, float* buf, int64_t stride, float* const* out) {
+  int64_t span = 0;
+  for (int r = 0; r < R; ++r) span = std::max(span, lens[r]);
+  float* rows[R];
+  float inv[R];
+  for (int r = 0; r < R; ++r) rows[r] = buf + r * stride;
+  tile_scores<R>(q, keys, capacity, d, span, scale, rows);
+  for (int r = 0; r < R; ++r) inv[r] = softmax_row(rows[r], lens[r], span);
+  tile_values_all<R>(rows, values, d, span, inv, out);
+}
 
-using ScoresFn = void (*)(const float* const*, const float*, int64_t, int64_t, int64_t, float, float* const*);
-using ValuesFn = void (*)(const float* const*, const float*, int64_t, float* const*);
+using TileFn = void (*)(const float* const*, const int64_t*, const float*, const float*, int64_t, int64_t, float,
+                        float*, int64_t, float* const*);
 
 template <int... R>
-std::array<ScoresFn, kTileRows + 1> scores_table(std::integer_sequence<int, R...>) {
-  return {nullptr, tile_scores<R + 1>...};
+std::array<TileFn, kTileRows + 1> tile_table(std::integer_sequence<int, R...>) {
+  return {nullptr, attend_tile<R + 1>...};
 }
 
-template <int D, int... R>
-std::array<ValuesFn, kTileRows + 1> values_table(std::integer_sequence<int, R...>) {
-  return {nullptr, tile_values<D, R + 1>...};
-}
-
-// The vectorized kernel for a tile of `rows` query rows (1..kTileRows), or nullptr: use the plain loops.
-ScoresFn pick_scores(int64_t rows) {
-  static const auto table = scores_table(std::make_integer_sequence<int, kTileRows>{});
+// The kernel for a tile of `rows` query rows (1..kTileRows).
+TileFn pick_tile(int64_t rows) {
+  static const auto table = tile_table(std::make_integer_sequence<int, kTileRows>{});
   return table[rows];
 }
 
-ValuesFn pick_values(int64_t d, int64_t rows) {
-  static const auto t32 = values_table<32>(std::make_integer_sequence<int, kTileRows>{});
-  static const auto t64 = values_table<64>(std::make_integer_sequence<int, kTileRows>{});
-  static const auto t128 = values_table<128>(std::make_integer_sequence<int, kTileRows>{});
-  switch (d) {
-    case 32: return t32[rows];
-    case 64: return t64[rows];
-    case 128: return t128[rows];
-    default: return nullptr;
-  }
-}
-
-// A tile: up to kTileRows query rows of one kv head -- its group's heads for consecutive tokens of one sequence
-// (a prefill's tokens share the keys they read; a decode step has one token per sequence).
+// A tile: up to kTileRows query rows of one kv head -- heads first_head.. of its group (all of them unless the
+// group is larger than a tile) for consecutive tokens of one sequence (a prefill's tokens share the keys they
+// read; a decode step has one token per sequence).
 struct Tile {
-  int64_t first_token, tokens, kv_head;
+  int64_t first_token, tokens, kv_head, first_head, heads;
 };
 
 torch::Tensor rms_rows(const torch::Tensor& h, const torch::Tensor& weight, double eps) {
@@ -253,13 +333,17 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
       for (int64_t j = 0; j < heads + kv_heads; ++j) {
         const bool is_q = j < heads;
         rms_row(row + j * d, normed.data(), is_q ? qn : kn, d, qk_epsf);
-        // HF: x * cos + rotate_half(x) * sin, with rotate_half folded into sin's sign.
+        // HF: x * cos + rotate_half(x) * sin, with rotate_half folded into sin's sign: the partner of dim i is
+        // i + half in the first half and i - half in the second.
+        const float* x = normed.data();
         if (is_q) {
           float* out = qp + (t * heads + j) * d;
-          for (int64_t i = 0; i < d; ++i) out[i] = normed[i] * cos[i] + normed[(i + half) % d] * sin[i];
+          for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+          for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
         } else {
           float* out = kc + ((slot[t] * kv_heads + (j - heads)) * d) * capacity + pos[t];
-          for (int64_t i = 0; i < d; ++i) out[i * capacity] = normed[i] * cos[i] + normed[(i + half) % d] * sin[i];
+          for (int64_t i = 0; i < half; ++i) out[i * capacity] = x[i] * cos[i] + x[i + half] * sin[i];
+          for (int64_t i = half; i < d; ++i) out[i * capacity] = x[i] * cos[i] + x[i - half] * sin[i];
         }
       }
       const float* v = row + (heads + kv_heads) * d;
@@ -269,76 +353,45 @@ torch::Tensor attention_block(const torch::Tensor& h, const torch::Tensor& input
     }
   });
 
-  // Attention over tiles: scores into one buffer (a token's positions past its own are -inf), ATen's
-  // vectorized softmax over all of it at once, then the weighted sum of values.
+  // Attention over tiles, each exact on its own: its rows' scores into a small buffer, their softmax, the
+  // weighted sum of values (no [N, heads, longest] score matrix, no masked positions computed).
   const float scale = static_cast<float>(scaling);
+  const int64_t heads_per_tile = std::min<int64_t>(group, kTileRows);
   const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);  // tokens per tile
   std::vector<Tile> tiles;
   for (int64_t t = 0; t < n;) {
     int64_t run = 1;
     while (t + run < n && run < per_tile && slot[t + run] == slot[t]) ++run;
-    for (int64_t j = 0; j < kv_heads; ++j) tiles.push_back({t, run, j});
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      for (int64_t g = 0; g < group; g += heads_per_tile) {
+        tiles.push_back({t, run, j, g, std::min(heads_per_tile, group - g)});
+      }
+    }
     t += run;
   }
-  auto scores = torch::empty({n, heads, longest}, h.options());
-  float* sp = scores.data_ptr<float>();
   auto attn = torch::empty({n, heads * d}, h.options());
   float* ap = attn.data_ptr<float>();
-  // The rows of a tile: (token, head) pairs, tokens outer; their query, score and output rows.
-  auto tile_rows = [&](const Tile& tile, auto&& visit) {
-    int64_t r = 0;
-    for (int64_t u = 0; u < tile.tokens; ++u) {
-      for (int64_t g = 0; g < group; ++g, ++r) visit(r, tile.first_token + u, tile.kv_head * group + g);
-    }
-  };
-  // Points each tile row at its input row (stride `in_width`) and output row (stride `out_width`); returns the
-  // tile's span, its longest token's positions.
-  auto point_rows = [&](const Tile& tile, const float* in, int64_t in_width, const float** in_rows, float* out,
-                        int64_t out_width, float** out_rows) {
-    int64_t span = 0;
-    tile_rows(tile, [&](int64_t r, int64_t t, int64_t head) {
-      in_rows[r] = in + (t * heads + head) * in_width;
-      out_rows[r] = out + (t * heads + head) * out_width;
-      span = std::max(span, pos[t] + 1);
-    });
-    return span;
-  };
-  const int64_t tiles_n = static_cast<int64_t>(tiles.size());
-  at::parallel_for(0, tiles_n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const float*> q_rows(kTileRows * std::max<int64_t>(1, group));
-    std::vector<float*> out_rows(q_rows.size());
+  const int64_t stride = (longest + 15) / 16 * 16;
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(kTileRows * stride);
+    const float* q_rows[kTileRows];
+    float* out_rows[kTileRows];
+    int64_t lens[kTileRows];
     for (int64_t i = begin; i < end; ++i) {
       const Tile& tile = tiles[i];
-      const int64_t span = point_rows(tile, qp, d, q_rows.data(), sp, longest, out_rows.data());
-      const int64_t rows = tile.tokens * group;
-      const float* keys = kc + ((slot[tile.first_token] * kv_heads + tile.kv_head) * d) * capacity;
-      const ScoresFn fn = rows <= kTileRows ? pick_scores(rows) : nullptr;
-      if (fn) {
-        fn(q_rows.data(), keys, capacity, d, span, scale, out_rows.data());
-      } else {
-        any_scores(q_rows.data(), rows, keys, capacity, d, span, scale, out_rows.data());
+      int64_t r = 0;
+      for (int64_t u = 0; u < tile.tokens; ++u) {  // the tile's rows: (token, head), tokens outer
+        const int64_t t = tile.first_token + u;
+        for (int64_t g = 0; g < tile.heads; ++g, ++r) {
+          const int64_t head = tile.kv_head * group + tile.first_head + g;
+          q_rows[r] = qp + (t * heads + head) * d;
+          out_rows[r] = ap + (t * heads + head) * d;
+          lens[r] = pos[t] + 1;
+        }
       }
-      tile_rows(tile, [&](int64_t r, int64_t t, int64_t) {
-        std::fill(out_rows[r] + pos[t] + 1, out_rows[r] + longest, -std::numeric_limits<float>::infinity());
-      });
-    }
-  });
-  scores = at::_softmax(scores, -1, false);
-  sp = scores.data_ptr<float>();
-  at::parallel_for(0, tiles_n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const float*> p_rows(kTileRows * std::max<int64_t>(1, group));
-    std::vector<float*> out_rows(p_rows.size());
-    for (int64_t i = begin; i < end; ++i) {
-      const Tile& tile = tiles[i];
-      const int64_t span = point_rows(tile, sp, longest, p_rows.data(), ap, d, out_rows.data());
-      const int64_t rows = tile.tokens * group;
-      const float* values = vc + ((slot[tile.first_token] * kv_heads + tile.kv_head) * capacity) * d;
-      const ValuesFn fn = rows <= kTileRows ? pick_values(d, rows) : nullptr;
-      if (fn) {
-        fn(p_rows.data(), values, span, out_rows.data());
-      } else {
-        any_values(p_rows.data(), rows, values, d, span, out_rows.data());
-      }
+      const int64_t cache_row = slot[tile.first_token] * kv_heads + tile.kv_head;
+      pick_tile(r)(q_rows, lens, kc + cache_row * d * capacity, vc + cache_row * capacity * d, capacity, d, scale,
+                   buf.data(), stride, out_rows);
     }
   });
   return o_bias ? h + at::addmm(*o_bias, attn, o_wt) : at::addmm(h, attn, o_wt);  // the residual added in the GEMM
@@ -368,6 +421,22 @@ torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& weight, doub
   return rms_rows(h, weight, eps);
 }
 
+// Sorts `keys` stably by their high 32 bits: an LSD radix sort, a byte a pass, skipping a pass whose byte all keys
+// share. Linear in the vocabulary, where a comparison sort of 150k tokens took ~10 ms a row.
+void radix_sort_high(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch) {
+  const size_t n = keys.size();
+  scratch.resize(n);
+  for (int shift = 32; shift < 64; shift += 8) {
+    size_t count[256] = {};
+    for (const uint64_t k : keys) ++count[(k >> shift) & 0xFF];
+    if (std::find(count, count + 256, n) != count + 256) continue;  // one bucket holds them all
+    size_t start = 0;
+    for (size_t& c : count) start += std::exchange(c, start);
+    for (const uint64_t k : keys) scratch[count[(k >> shift) & 0xFF]++] = k;
+    keys.swap(scratch);
+  }
+}
+
 // One token per row of logits [B, V] and its logprob, as sampling.py's `sample` computes them (its docstring has
 // the convention): logprob = log_softmax(logits / T)[token]; temperature 0 is greedy (T = 1 for the logprob);
 // otherwise inverse CDF with the row's uniform u over the tokens top-k / top-p keep, by descending probability.
@@ -378,15 +447,19 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits
   const int64_t batch = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(requests.dim() == 2 && requests.size(0) == batch && requests.size(1) == 4,
               "sample_rows: requests must be [batch, 4]: temperature, top_p, top_k, uniform per row");
+  // Each row's request read in place (a few small tensor ops here would cost more than the sampling itself).
   auto columns = requests.to(torch::kFloat64).contiguous();
-  auto temps = columns.select(1, 0).to(torch::kFloat32).contiguous();
-  auto ps = columns.select(1, 1).to(torch::kFloat32).contiguous();
-  auto ks = columns.select(1, 2).to(torch::kLong).contiguous();
-  auto us = columns.select(1, 3).contiguous();
+  const double* rq = columns.data_ptr<double>();
+  std::vector<float> tp(batch);  // temperatures, as float32 like the logits
+  for (int64_t b = 0; b < batch; ++b) tp[b] = static_cast<float>(rq[4 * b]);
   // The row-wise math in ATen's vectorized kernels; the per-row walk below in plain loops.
-  const float* tp = temps.data_ptr<float>();
-  const bool tempered = std::any_of(tp, tp + batch, [](float t) { return t > 0.f && t != 1.f; });
-  torch::Tensor scaled = tempered ? logits / at::where(temps > 0, temps, at::ones_like(temps)).unsqueeze(1) : logits;
+  const bool tempered = std::any_of(tp.begin(), tp.end(), [](float t) { return t > 0.f && t != 1.f; });
+  torch::Tensor scaled = logits;
+  if (tempered) {
+    auto divisors = torch::empty({batch, 1}, torch::kFloat32);
+    for (int64_t b = 0; b < batch; ++b) divisors.data_ptr<float>()[b] = tp[b] > 0.f ? tp[b] : 1.f;
+    scaled = logits / divisors;
+  }
   auto logp = at::log_softmax(scaled, 1).contiguous();
   auto probs = logp.exp();
   auto tokens = torch::empty({batch}, torch::kLong);
@@ -396,7 +469,7 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits
   const float* lpp = logp.data_ptr<float>();
   const float* pp = probs.data_ptr<float>();
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint64_t> order(vocab);
+    std::vector<uint64_t> order(vocab), scratch(vocab);
     for (int64_t b = begin; b < end; ++b) {
       const float* row = sp + b * vocab;
       const float* prob = pp + b * vocab;
@@ -404,9 +477,9 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits
       if (!(tp[b] > 0.f)) {  // greedy: the first maximum
         for (int64_t i = 1; i < vocab; ++i) token = row[i] > row[token] ? i : token;
       } else {
-        const int64_t k = ks.data_ptr<int64_t>()[b];
-        const float p = ps.data_ptr<float>()[b];
-        const double u = us.data_ptr<double>()[b];
+        const int64_t k = static_cast<int64_t>(rq[4 * b + 2]);
+        const float p = static_cast<float>(rq[4 * b + 1]);
+        const double u = rq[4 * b + 3];
         if (!((k > 0 && k < vocab) || p < 1.f)) {  // unfiltered: inverse CDF in token order
           double mass = 0.0;
           for (int64_t i = 0; i < vocab; ++i) mass += prob[i];
@@ -421,14 +494,15 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits
             }
           }
         } else {  // by descending probability, over the prefix top-k / top-p keep
-          // One integer per token, ordering by descending logit then ascending id: a plain integer sort.
+          // One integer per token, its high half ordering by descending logit; the low half is its id, so ties stay
+          // in ascending id through the stable sort.
           for (int64_t i = 0; i < vocab; ++i) {
             uint32_t bits;
             std::memcpy(&bits, row + i, sizeof bits);
             const uint32_t ascending = bits ^ ((bits >> 31) ? 0xFFFFFFFFu : 0x80000000u);
             order[i] = (static_cast<uint64_t>(~ascending) << 32) | static_cast<uint64_t>(i);
           }
-          std::sort(order.begin(), order.end());
+          radix_sort_high(order, scratch);
           auto id = [&](int64_t rank) { return static_cast<int64_t>(order[rank] & 0xFFFFFFFFu); };
           // A token stays while the mass strictly before it is below top_p and its rank is below top_k.
           const int64_t rank_limit = (k > 0 && k < vocab) ? k : vocab;

@@ -4,8 +4,9 @@ The kernels run a Qwen3 layer's attention block and dense MLP block over token r
 runner's slot KV cache, for prefill and decode alike. What must hold:
 
 - the same logits as the torch forward, for head sizes and query groups that take the vectorized paths
-  (head_dim 32 / 64 / 128, group 1 / 2 / 4 / 8) and for ones that take the plain loops (head_dim 48,
-  group 3); scattered slots, uneven spans, a prefill that continues a cached prefix;
+  (head_dim 32 / 48 / 64 / 128, group 1 / 2 / 3 / 4 / 8), a head size whose last dims take plain loops
+  (40), a group larger than a tile (16), and a cache whose length is no multiple of the kernels' blocks;
+  scattered slots, uneven spans, a prefill that continues a cached prefix;
 - a MoE model's routed experts (R3 rows) are the torch forward's, prompt tokens included;
 - an engine on kernels samples what an engine on torch samples (greedy tokens, logprobs to rounding);
 - bad input to a kernel is refused with the cause; ``MILES_AGENT_CPU_KERNELS=0`` turns them off; asking
@@ -48,10 +49,10 @@ def qwen3(heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> Qwen3ForCa
     return Qwen3ForCausalLM(config).eval()
 
 
-def runners(model: torch.nn.Module, slots: int = 8) -> tuple[ModelRunner, ModelRunner]:
+def runners(model: torch.nn.Module, slots: int = 8, max_len: int = 512) -> tuple[ModelRunner, ModelRunner]:
     cpu = torch.device("cpu")
-    fast = ModelRunner(copy.deepcopy(model), cpu, 512, slots, cpu_kernels=True)
-    reference = ModelRunner(copy.deepcopy(model), cpu, 512, slots, cpu_kernels=False)
+    fast = ModelRunner(copy.deepcopy(model), cpu, max_len, slots, cpu_kernels=True)
+    reference = ModelRunner(copy.deepcopy(model), cpu, max_len, slots, cpu_kernels=False)
     assert fast.kernels is not None and reference.kernels is None
     return fast, reference
 
@@ -72,8 +73,10 @@ def steps(runner: ModelRunner, slots: list[int], seqs: list[list[int]], record: 
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [
-    (4, 4, 32), (4, 2, 32), (8, 2, 64), (8, 1, 128), (8, 1, 32),  # vectorized: group 1 / 2 / 4 / 8
-    (6, 2, 48),  # plain loops: head_dim 48, group 3
+    (4, 4, 32), (4, 2, 32), (8, 2, 64), (8, 1, 128), (8, 1, 32),  # group 1 / 2 / 4 / 8
+    (6, 2, 48),  # group 3; head_dim 48: value chunks of 32 and 16 dims
+    (6, 2, 40),  # head_dim 40: its last 8 dims in plain loops
+    (16, 1, 32),  # group 16: a token's heads split over two tiles
 ])
 def test_kernels_match_the_torch_forward(heads, kv_heads, head_dim):
     fast, reference = runners(qwen3(heads, kv_heads, head_dim))
@@ -81,6 +84,17 @@ def test_kernels_match_the_torch_forward(heads, kv_heads, head_dim):
     with torch.inference_mode():
         for (a, _), (b, _) in zip(steps(fast, slots, seqs), steps(reference, slots, seqs)):
             assert torch.allclose(a, b, atol=TOL, rtol=0), (a - b).abs().max()
+
+
+def test_a_cache_length_that_is_no_multiple_of_the_kernels_blocks():
+    """A cache 50 positions long: the key blocks of 64 and then 16 positions stop short of its end, and the
+    last positions take the one-by-one loop (a block may not read past a cache row)."""
+    fast, reference = runners(qwen3(4, 2, 32), max_len=50)
+    slots, seqs = [1, 0], prompts(2, 40, seed=5)  # 40 / 47 tokens + 3 decode steps: positions up to 49
+    with torch.inference_mode():
+        for (a, _), (b, _) in zip(steps(fast, slots, seqs), steps(reference, slots, seqs)):
+            assert torch.allclose(a, b, atol=TOL, rtol=0), (a - b).abs().max()
+    assert fast.k_cache.shape[-1] == 50
 
 
 def test_moe_routing_rows_are_the_torch_forwards():
@@ -159,7 +173,9 @@ def test_the_kernel_sampler_draws_what_the_torch_sampler_draws():
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(64, 265, generator=g) * 3
     kinds = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, top_p=0.9),
-             dict(temperature=1.0, top_k=20), dict(temperature=1.3, top_p=0.5, top_k=5), dict(temperature=1.0, top_p=0.95)]
+             dict(temperature=1.0, top_k=20), dict(temperature=1.3, top_p=0.5, top_k=5), dict(temperature=1.0, top_p=0.95),
+             # flat distributions: the nucleus runs past the first sorted chunks (64, then 128 ranks)
+             dict(temperature=8.0, top_p=0.99), dict(temperature=4.0, top_k=200, top_p=0.999)]
     params = [SamplingParams(max_new_tokens=1, **kinds[i % len(kinds)]) for i in range(64)]
 
     def draws() -> list:
