@@ -76,15 +76,20 @@ class EngineActor:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, flush_cache: bool, weight_version: str | None,
                                               load_format: str | None, bucket: int | None = None,
-                                              pause: str | None = None) -> None:
+                                              pause: str | None = None, resume: bool = False) -> None:
         """``bucket``: the announcement's number in its group. Ray starts an async actor's calls in no
         guaranteed order, so the receiver takes the buckets in this order, not in the order they started.
         ``pause``: pause generation (that mode) first -- the push's pause, carried by its first announcement;
-        later buckets wait for this one's turn, so none touches a weight before it."""
+        later buckets wait for this one's turn, so none touches a weight before it.
+        ``resume``: this is the push's last bucket: once it and every earlier one have loaded, resume generation
+        (the push's continue, carried by its last announcement). Not when this bucket fails."""
         if pause is not None:
             await self.receiver.pause_generation(pause)
         await self.receiver.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache,
                                                             weight_version, load_format, bucket=bucket)
+        if resume:
+            await self.receiver.settled()
+            await self.receiver.continue_generation()
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self.receiver.destroy_weights_update_group(group_name)

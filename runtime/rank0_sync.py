@@ -37,14 +37,24 @@ class ActorReceiver:
         self.actor = actor
         self._buckets: dict[str, int] = {}  # per group: buckets announced since it formed (the actor's turn order)
         self._pause: str | None = None  # a pause the next announcement carries
+        self._resumed = False  # the push's last announcement resumed the actor: continue_generation has nothing to do
 
     async def pause_generation(self, mode: str = "in_place") -> None:
         """Carried by the next bucket's announcement instead of a call of its own: the actor pauses before that
         bucket touches a weight (and every later bucket waits for its turn), one Ray round trip fewer a push."""
         self._pause = mode
+        self._resumed = False
+
+    # The transport may announce a push's last bucket with ``resume=True``: the actor then resumes generation
+    # once that bucket and every earlier one have loaded, so `continue_generation` needs no call of its own (one
+    # Ray round trip fewer after the transfer). If that announcement fails, `continue_generation` calls.
+    resumes_after_last_bucket = True
 
     async def continue_generation(self) -> None:
         self._pause = None
+        if self._resumed:
+            self._resumed = False
+            return
         await self.actor.continue_generation.remote()
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -57,12 +67,13 @@ class ActorReceiver:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
                                               weight_version: str | None = None,
-                                              load_format: str | None = None) -> None:
+                                              load_format: str | None = None, resume: bool = False) -> None:
         bucket = self._buckets.get(group_name, 0)  # numbered when announced, before the call is awaited
         self._buckets[group_name] = bucket + 1
         pause, self._pause = self._pause, None
         await self.actor.update_weights_from_distributed.remote(names, dtypes, shapes, group_name, flush_cache,
-                                                                weight_version, load_format, bucket, pause)
+                                                                weight_version, load_format, bucket, pause, resume)
+        self._resumed = resume
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         await self.actor.destroy_weights_update_group.remote(group_name)

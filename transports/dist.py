@@ -96,10 +96,17 @@ class DistributedTransport(EngineTransport):
         depth = 1 if self.flatten else 2
         inflight: deque[tuple[asyncio.Future, list[asyncio.Future], str]] = deque()
         last_send: asyncio.Future | None = None
-        total, n = 0, 0
+        total, n, carried = 0, 0, 0
         busy = [0.0]  # seconds this side spent inside broadcasts (the rest of the send waited on the engines)
+        # One bucket of lookahead, so the last one is known when it is announced: a receiver that can (an engine
+        # actor) resumes generation itself once that bucket has loaded, and the push's continue costs no round
+        # trip after the transfer. Not with the checksum check, which must read the weights before anything runs.
+        # The cost: with several trainer ranks, one more bucket of gathered tensors held at a time.
+        buckets = flat_buckets(named_tensors, self.bucket_bytes)
+        upcoming = next(buckets, None)
         try:
-            for bucket in flat_buckets(named_tensors, self.bucket_bytes):
+            while upcoming is not None:
+                bucket, upcoming = upcoming, next(buckets, None)
                 if self.flatten:
                     flat, metas = pack(bucket, out=self._staging)
                     wire = [flat]
@@ -113,8 +120,11 @@ class DistributedTransport(EngineTransport):
                                 shapes=[list(m.shape) for m in metas], group_name=self.active_group,
                                 weight_version=str(version),
                                 load_format="flattened_bucket" if self.flatten else None)
-                receives = [asyncio.ensure_future(e.update_weights_from_distributed(**announce))
-                            for e in self.engines]
+                fold = [upcoming is None and not self.check and getattr(e, "resumes_after_last_bucket", False)
+                        for e in self.engines]  # the last bucket carries the resume (see above)
+                receives = [asyncio.ensure_future(e.update_weights_from_distributed(
+                    **announce, **({"resume": True} if resume else {}))) for e, resume in zip(self.engines, fold)]
+                carried = sum(fold)
                 last_send = asyncio.ensure_future(_broadcast_after(last_send, wire, self.group, busy))
                 inflight.append((last_send, receives, f"bucket {n} (first tensor {metas[0].name!r})"))
                 total += metas[-1].end_idx
@@ -127,7 +137,8 @@ class DistributedTransport(EngineTransport):
             for send, receives, _ in inflight:  # after a failure: consume what is still pending
                 for f in (send, *receives):
                     f.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return {"sync_bytes": float(total), "sync_buckets": float(n), "sync_broadcast_s": busy[0]}
+        return {"sync_bytes": float(total), "sync_buckets": float(n), "sync_broadcast_s": busy[0],
+                "sync_resumes_carried": float(carried)}
 
     async def _finish(self, send: asyncio.Future, receives: list[asyncio.Future], what: str) -> None:
         try:

@@ -84,6 +84,7 @@ class InProcessReceiver:
         # to hand its receive over, so the next bucket's broadcast starts the moment the last one ends, with no
         # event-loop hop between them (under Ray, that hop cost ~2 ms a bucket while the sender waited).
         self._lanes: dict[str, Any] = {}
+        self._in_flight = 0  # bucket calls not yet loaded (see `settled`)
 
     @property
     def weight_version(self) -> int:
@@ -140,6 +141,24 @@ class InProcessReceiver:
                                               load_format: str | None = None, bucket: int | None = None) -> None:
         """``bucket``: the announcement's number since the group formed, where calls may start out of order
         (a Ray actor); without it, calls are numbered as they arrive."""
+        self._in_flight += 1
+        try:
+            await self._update_from_distributed(names, dtypes, shapes, group_name, weight_version, load_format,
+                                                bucket)
+        finally:
+            async with self._turn:
+                self._in_flight -= 1
+                self._turn.notify_all()
+
+    async def settled(self) -> None:
+        """Returns once every bucket call that has arrived has loaded (or failed): what a resume carried by a
+        push's last bucket waits for, since an earlier bucket's load may still be queued behind a step."""
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._in_flight == 0)
+
+    async def _update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                       group_name: str, weight_version: str | None, load_format: str | None,
+                                       bucket: int | None) -> None:
         import torch.distributed as dist
 
         if group_name not in self._groups:

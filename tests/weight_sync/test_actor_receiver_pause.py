@@ -1,6 +1,7 @@
 """The rank-0 path's receiver for engine actors (runtime/rank0_sync.ActorReceiver) carries a push's pause in
-its first bucket's announcement instead of a Ray call of its own, and the engine actor pauses before that
-bucket touches a weight. Against a fake actor handle that records the calls as Ray would deliver them."""
+its first bucket's announcement and its resume in the last one, instead of Ray calls of their own; the engine
+actor pauses before the first bucket touches a weight and resumes only once every bucket has loaded. Against a
+fake actor handle that records the calls as Ray would deliver them, and a real transport over a gloo group."""
 
 from __future__ import annotations
 
@@ -15,15 +16,24 @@ class _Method:
 
     def remote(self, *args):  # noqa: ANN201 - an awaitable, as an ObjectRef is
         self.calls.append((self.name, args))
-        return asyncio.sleep(0)
+        return _fail() if self.name in self.failing else asyncio.sleep(0)
+
+    failing: set[str] = set()
+
+
+async def _fail() -> None:
+    raise RuntimeError("the actor died")
 
 
 class _Actor:
-    def __init__(self) -> None:
+    def __init__(self, failing: set[str] = frozenset()) -> None:
         self.calls: list = []
+        self.failing = failing
 
     def __getattr__(self, name: str) -> _Method:
-        return _Method(self.calls, name)
+        method = _Method(self.calls, name)
+        method.failing = self.__dict__.get("failing", set())
+        return method
 
 
 def test_the_pause_rides_on_the_first_announcement_and_only_there():
@@ -40,8 +50,8 @@ def test_the_pause_rides_on_the_first_announcement_and_only_there():
 
     asyncio.run(push())
     announced = [args for name, args in actor.calls if name == "update_weights_from_distributed"]
-    assert [a[-2] for a in announced] == [0, 1, 2, 3]  # bucket numbers
-    assert [a[-1] for a in announced] == ["in_place", None, None, None]  # the pause, on the first only
+    assert [a[-3] for a in announced] == [0, 1, 2, 3]  # bucket numbers
+    assert [a[-2] for a in announced] == ["in_place", None, None, None]  # the pause, on the first only
     assert [name for name, _ in actor.calls].count("continue_generation") == 1
 
 
@@ -63,3 +73,121 @@ def test_the_engine_actor_pauses_before_the_bucket_it_came_with():
                                                       "in_place"))
     asyncio.run(actor.update_weights_from_distributed(["w"], ["float32"], [[2]], "g", True, None, None, 1))
     assert order == ["pause in_place", "bucket 0", "bucket 1"]
+
+
+def test_a_resume_carried_by_the_last_announcement_saves_the_continue_call():
+    actor = _Actor()
+    receiver = ActorReceiver(actor)
+
+    async def push() -> None:
+        await receiver.pause_generation("in_place")
+        await receiver.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g")
+        await receiver.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g", resume=True)
+        await receiver.continue_generation()
+        await receiver.pause_generation("in_place")  # the next push, whose last bucket did not resume
+        await receiver.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g")
+        await receiver.continue_generation()
+
+    asyncio.run(push())
+    announced = [args for name, args in actor.calls if name == "update_weights_from_distributed"]
+    assert [a[-1] for a in announced] == [False, True, False]
+    assert [name for name, _ in actor.calls].count("continue_generation") == 1  # the second push's only
+
+
+def test_when_the_resuming_announcement_fails_continue_still_calls():
+    actor = _Actor(failing={"update_weights_from_distributed"})
+    receiver = ActorReceiver(actor)
+
+    async def push() -> None:
+        await receiver.pause_generation("in_place")
+        try:
+            await receiver.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g", resume=True)
+        except RuntimeError:
+            pass
+        await receiver.continue_generation()  # what the transport's push does in its finally
+
+    asyncio.run(push())
+    assert [name for name, _ in actor.calls].count("continue_generation") == 1
+
+
+def test_the_engine_actor_resumes_only_once_every_bucket_has_loaded(monkeypatch):
+    """Bucket 0's load is slow (queued behind a step); bucket 1, the last, carries the resume and finishes its
+    own load first: the actor must still wait for bucket 0 before it resumes."""
+    import threading
+
+    import torch
+
+    from miles_agent.runtime import engine_actor
+    from miles_agent.transports.receiver import InProcessReceiver, ModelHolder
+
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src, group: None)
+    order: list[str] = []
+
+    class SlowFirstLoad(ModelHolder):
+        loads = 0
+
+        async def update_weights(self, named_tensors, version) -> None:  # noqa: ANN001
+            self.loads += 1
+            if self.loads == 1:  # bucket 0's
+                await asyncio.sleep(0.2)
+            order.append("load")
+
+        async def resume(self) -> None:
+            order.append("resume")
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(3, 1, bias=False))
+    rx = InProcessReceiver(SlowFirstLoad(model))
+    rx._groups["g"] = threading.Lock()
+    rx._next_bucket["g"] = rx._arrived["g"] = 0
+    actor = engine_actor.EngineActor.__new__(engine_actor.EngineActor)
+    actor.receiver = rx
+
+    async def main() -> None:
+        first = asyncio.create_task(actor.update_weights_from_distributed(
+            ["0.weight"], ["float32"], [[1, 2]], "g", True, None, None, 0, "in_place"))
+        await asyncio.sleep(0.01)  # bucket 0 is in its slow load when the last bucket arrives
+        await actor.update_weights_from_distributed(["1.weight"], ["float32"], [[1, 3]], "g", True, None, None, 1,
+                                                    None, True)
+        assert first.done()  # the resume waited for bucket 0's load
+        await first
+
+    asyncio.run(main())
+    assert order == ["load", "load", "resume"]
+
+
+def _announcements(check: bool, monkeypatch) -> list[bool]:
+    """A push of three buckets through the distributed transport (broadcasts stubbed): each announcement's
+    resume flag, as a receiver that can carry it sees them."""
+    import torch
+
+    from miles_agent.transports import dist
+
+    monkeypatch.setattr(dist, "_broadcast_all", lambda tensors, group: None)
+    seen: list[bool] = []
+
+    class Recorder:
+        resumes_after_last_bucket = True
+
+        async def pause_generation(self, mode: str = "in_place") -> None: ...
+
+        async def continue_generation(self) -> None: ...
+
+        async def update_weights_from_distributed(self, names, dtypes, shapes, resume=False, **kw) -> None:  # noqa: ANN001
+            seen.append(resume)
+
+        async def check_weights(self, action: str = "checksum") -> dict:
+            return {"checksums": expected}
+
+    weights = [(f"w{i}", torch.full((256,), float(i))) for i in range(3)]  # 1 KiB each: a bucket each
+    from miles_agent.transports.core import tensor_checksum
+
+    expected = {name: tensor_checksum(t) for name, t in weights}
+    transport = dist.DistributedTransport([Recorder()], bucket_bytes=1024, check=check)
+    transport.group = object()  # formed: the stubbed broadcasts need no group
+    asyncio.run(transport.push(iter(weights), 1))
+    return seen
+
+
+def test_the_transport_marks_the_last_bucket_only_and_not_when_checking(monkeypatch):
+    assert _announcements(check=False, monkeypatch=monkeypatch) == [False, False, True]
+    assert _announcements(check=True, monkeypatch=monkeypatch) == [False, False, False]  # the check reads first
