@@ -98,15 +98,18 @@ class DistributedTransport(EngineTransport):
         last_send: asyncio.Future | None = None
         total, n, carried = 0, 0, 0
         busy = [0.0]  # seconds this side spent inside broadcasts (the rest of the send waited on the engines)
-        # One bucket of lookahead, so the last one is known when it is announced: a receiver that can (an engine
-        # actor) resumes generation itself once that bucket has loaded, and the push's continue costs no round
-        # trip after the transfer. Not with the checksum check, which must read the weights before anything runs.
+        # From bucket 1 on, one bucket of lookahead, so the last one is known when it is announced: a receiver that
+        # can (an engine actor) resumes generation itself once that bucket has loaded, and the push's continue costs
+        # no round trip after the transfer. Bucket 0 goes out at once (a gather ahead would delay the whole push), so
+        # a one-bucket push resumes by a call; so does one with the checksum check, which reads the weights first.
         # The cost: with several trainer ranks, one more bucket of gathered tensors held at a time.
         buckets = flat_buckets(named_tensors, self.bucket_bytes)
-        upcoming = next(buckets, None)
+        bucket, upcoming = next(buckets, None), None
         try:
-            while upcoming is not None:
-                bucket, upcoming = upcoming, next(buckets, None)
+            while bucket is not None:
+                if n > 0:
+                    upcoming = next(buckets, None)
+                last = n > 0 and upcoming is None
                 if self.flatten:
                     flat, metas = pack(bucket, out=self._staging)
                     wire = [flat]
@@ -120,7 +123,7 @@ class DistributedTransport(EngineTransport):
                                 shapes=[list(m.shape) for m in metas], group_name=self.active_group,
                                 weight_version=str(version),
                                 load_format="flattened_bucket" if self.flatten else None)
-                fold = [upcoming is None and not self.check and getattr(e, "resumes_after_last_bucket", False)
+                fold = [last and not self.check and getattr(e, "resumes_after_last_bucket", False)
                         for e in self.engines]  # the last bucket carries the resume (see above)
                 receives = [asyncio.ensure_future(e.update_weights_from_distributed(
                     **announce, **({"resume": True} if resume else {}))) for e, resume in zip(self.engines, fold)]
@@ -131,6 +134,7 @@ class DistributedTransport(EngineTransport):
                 n += 1
                 while len(inflight) >= depth:
                     await self._finish(*inflight.popleft())
+                bucket = next(buckets, None) if n == 1 else upcoming
             while inflight:
                 await self._finish(*inflight.popleft())
         finally:

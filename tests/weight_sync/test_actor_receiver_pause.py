@@ -155,8 +155,8 @@ def test_the_engine_actor_resumes_only_once_every_bucket_has_loaded(monkeypatch)
     assert order == ["load", "load", "resume"]
 
 
-def _announcements(check: bool, monkeypatch) -> list[bool]:
-    """A push of three buckets through the distributed transport (broadcasts stubbed): each announcement's
+def _announcements(check: bool, monkeypatch, buckets: int = 3) -> list[bool]:
+    """A push of ``buckets`` buckets through the distributed transport (broadcasts stubbed): each announcement's
     resume flag, as a receiver that can carry it sees them."""
     import torch
 
@@ -164,6 +164,7 @@ def _announcements(check: bool, monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(dist, "_broadcast_all", lambda tensors, group: None)
     seen: list[bool] = []
+    events: list[str] = []
 
     class Recorder:
         resumes_after_last_bucket = True
@@ -172,22 +173,36 @@ def _announcements(check: bool, monkeypatch) -> list[bool]:
 
         async def continue_generation(self) -> None: ...
 
-        async def update_weights_from_distributed(self, names, dtypes, shapes, resume=False, **kw) -> None:  # noqa: ANN001
-            seen.append(resume)
+        def update_weights_from_distributed(self, names, dtypes, shapes, resume=False, **kw):  # noqa: ANN001, ANN201
+            seen.append(resume)  # recorded when the transport announces (a Ray call is sent then)
+            events.append(f"announce {names[0]}")
+            return asyncio.sleep(0)
 
         async def check_weights(self, action: str = "checksum") -> dict:
             return {"checksums": expected}
 
-    weights = [(f"w{i}", torch.full((256,), float(i))) for i in range(3)]  # 1 KiB each: a bucket each
+    weights = [(f"w{i}", torch.full((256,), float(i))) for i in range(buckets)]  # 1 KiB each: a bucket each
     from miles_agent.transports.core import tensor_checksum
 
     expected = {name: tensor_checksum(t) for name, t in weights}
     transport = dist.DistributedTransport([Recorder()], bucket_bytes=1024, check=check)
     transport.group = object()  # formed: the stubbed broadcasts need no group
-    asyncio.run(transport.push(iter(weights), 1))
+
+    def gathered():  # a trainer's lazy gather: record when each tensor is read
+        for name, t in weights:
+            events.append(f"read {name}")
+            yield name, t
+
+    asyncio.run(transport.push(gathered(), 1))
+    if buckets == 3:  # bucket 0 is announced before bucket 2 is read, bucket 1 after (the bucketing itself reads
+        # one tensor ahead, to know where a bucket ends)
+        assert events == ["read w0", "read w1", "announce w0", "read w2", "announce w1", "announce w2"]
     return seen
 
 
 def test_the_transport_marks_the_last_bucket_only_and_not_when_checking(monkeypatch):
     assert _announcements(check=False, monkeypatch=monkeypatch) == [False, False, True]
     assert _announcements(check=True, monkeypatch=monkeypatch) == [False, False, False]  # the check reads first
+    assert _announcements(check=False, monkeypatch=monkeypatch, buckets=2) == [False, True]
+    # bucket 0 goes out before the next is read: a push of one bucket resumes by a call of its own
+    assert _announcements(check=False, monkeypatch=monkeypatch, buckets=1) == [False]
