@@ -130,5 +130,9 @@ def test_routing_of_an_abandoned_attempt_is_freed_when_it_ends(tiny_models):
 
     batch1, m1, held, left = asyncio.run(main())
     assert held >= 1 and m1["preempted"] >= 1 and m1["routing/missing"] == 0 and len(batch1) == 4
-    assert all(t.weight_versions == [1, 1] for t in batch1)  # the restarted attempts ran on version 1
+    # A restarted attempt runs on version 1 throughout. On a slow machine other episodes of batch 1 may have
+    # finished a turn, or both, before the update and keep version 0 for them (within max_staleness): only a
+    # turn the update cut is restarted, never one that ended.
+    versions = [t.weight_versions for t in batch1]
+    assert [1, 1] in versions and all(v == sorted(v) and set(v) <= {0, 1} for v in versions), versions
     assert left == 0  # nothing kept for the aborted attempts, nor for finished episodes
