@@ -33,6 +33,11 @@ from miles_agent.transports.groups import DEFAULT_GROUP
 class ActorReceiver:
     """A `WeightReceiver` over an `EngineActor` handle: each call is the actor method of the same name."""
 
+    # The transport may announce a push's last bucket with ``resume=True``: the actor then resumes generation
+    # once that bucket and every earlier one have loaded, so `continue_generation` needs no call of its own (one
+    # Ray round trip fewer after the transfer). If that announcement fails, `continue_generation` calls.
+    resumes_after_last_bucket = True
+
     def __init__(self, actor: Any) -> None:
         self.actor = actor
         self._buckets: dict[str, int] = {}  # per group: buckets announced since it formed (the actor's turn order)
@@ -44,11 +49,6 @@ class ActorReceiver:
         bucket touches a weight (and every later bucket waits for its turn), one Ray round trip fewer a push."""
         self._pause = mode
         self._resumed = False
-
-    # The transport may announce a push's last bucket with ``resume=True``: the actor then resumes generation
-    # once that bucket and every earlier one have loaded, so `continue_generation` needs no call of its own (one
-    # Ray round trip fewer after the transfer). If that announcement fails, `continue_generation` calls.
-    resumes_after_last_bucket = True
 
     async def continue_generation(self) -> None:
         self._pause = None
