@@ -1,5 +1,6 @@
-// The embedded engine's CPU kernels: a Qwen3 decoder layer's attention block and dense MLP block, each one
-// call, over token-major rows (no padding) and the runner's per-slot KV cache; and the sampler, one call a step.
+// The embedded engine's CPU kernels: a Qwen3 decoder layer's attention block and dense MLP block (or a MoE
+// layer's experts), each one call, over token-major rows (no padding) and the runner's per-slot KV cache; and the
+// sampler, one call a step.
 //
 // Why: on a CPU a small model's decode step is dominated by launching ~300 tiny torch ops (RMSNorms,
 // the q/k norms, RoPE, cache writes, masks, softmax), not by arithmetic. Here everything between the
@@ -413,6 +414,50 @@ torch::Tensor mlp_block(const torch::Tensor& h, const torch::Tensor& post_norm, 
   return at::addmm(h, act, down_wt);  // the residual added in the GEMM
 }
 
+// A Qwen3-MoE layer's experts over token rows, as HF's eager `Qwen3MoeExperts.forward` computes them (the same
+// ATen ops in the same order) without its per-expert Python: each expert in turn takes its tokens (by top-k slot,
+// then token, as HF's `torch.where` lists them), gate and up from gate_up [E, 2I, H] (gate rows first),
+// silu(gate) * up, down [E, H, I], times the routing weight, added into its tokens' rows. The router stays HF's
+// module, so its choices are the torch path's; indices must be real experts (a router never picks another).
+torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& top_k_index, const torch::Tensor& top_k_weights,
+                          const torch::Tensor& gate_up, const torch::Tensor& down) {
+  check_f32(x, "moe_experts: x");
+  check_f32(top_k_weights, "moe_experts: top_k_weights");
+  check_f32(gate_up, "moe_experts: gate_up");
+  check_f32(down, "moe_experts: down");
+  TORCH_CHECK(top_k_index.scalar_type() == torch::kLong && top_k_index.device().is_cpu() && top_k_index.dim() == 2,
+              "moe_experts: top_k_index must be an int64 CPU tensor [N, top_k]");
+  const int64_t n = x.size(0), k = top_k_index.size(1), experts = gate_up.size(0), inter = down.size(2);
+  TORCH_CHECK(x.dim() == 2 && top_k_index.size(0) == n && top_k_weights.sizes() == top_k_index.sizes()
+                  && gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(1) == 2 * inter
+                  && gate_up.size(2) == x.size(1) && down.size(0) == experts && down.size(1) == x.size(1),
+              "moe_experts: shapes disagree (x [N, H], top_k_index and top_k_weights [N, K], gate_up [E, 2I, H], "
+              "down [E, H, I])");
+  auto index = top_k_index.contiguous();
+  const int64_t* ip = index.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> tokens(experts), slots(experts);
+  for (int64_t j = 0; j < k; ++j) {
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t e = ip[t * k + j];
+      TORCH_CHECK(e >= 0 && e < experts, "moe_experts: expert index ", e, " is outside 0..", experts - 1);
+      tokens[e].push_back(t);
+      slots[e].push_back(t * k + j);
+    }
+  }
+  auto out = torch::zeros_like(x);
+  const auto weights = top_k_weights.reshape(-1);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (tokens[e].empty()) continue;
+    const int64_t m = static_cast<int64_t>(tokens[e].size());
+    const auto rows = torch::from_blob(tokens[e].data(), {m}, torch::kLong);
+    const auto picked = torch::from_blob(slots[e].data(), {m}, torch::kLong);
+    const auto gu = at::linear(x.index_select(0, rows), gate_up[e]);  // HF's F.linear: the same GEMM path
+    const auto act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+    out.index_add_(0, rows, at::linear(act, down[e]).mul_(weights.index_select(0, picked).unsqueeze(1)));
+  }
+  return out;
+}
+
 // HF's final RMSNorm over token rows (the logits' input).
 torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& weight, double eps) {
   check_f32(h, "rms_norm: h");
@@ -538,4 +583,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_block", &attention_block, "Qwen3 attention block over token rows and the slot KV cache");
   m.def("mlp_block", &mlp_block, "Qwen3 dense MLP block over token rows");
   m.def("rms_norm", &rms_norm, "Qwen3 RMSNorm over token rows");
+  m.def("moe_experts", &moe_experts, "Qwen3-MoE experts over token rows, as HF's eager experts loop");
 }

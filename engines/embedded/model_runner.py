@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from miles_agent.engines.embedded.fused import FusedDecoder, fusable
+from miles_agent.engines.embedded.fused import FusedDecoder, _is_silu, fusable
 from miles_agent.models.vision import mask_suppressed, suppressed_ids
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl")
@@ -34,6 +34,17 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _is_moe(mlp: torch.nn.Module) -> bool:
     return hasattr(mlp, "gate") and hasattr(mlp, "experts")
+
+
+def _experts_kernel_fits(experts: torch.nn.Module) -> bool:
+    """HF's Qwen3-MoE experts as built (not wrapped or quantized since): fp32 CPU weights gate_up [E, 2I, H]
+    and down [E, H, I], SiLU -- what the `moe_experts` kernel computes."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    return (type(experts).__name__ == "Qwen3MoeExperts" and isinstance(gate_up, torch.Tensor)
+            and isinstance(down, torch.Tensor) and gate_up.dim() == 3 and down.dim() == 3
+            and gate_up.dtype == down.dtype == torch.float32 and gate_up.device.type == down.device.type == "cpu"
+            and gate_up.is_contiguous() and down.is_contiguous() and gate_up.shape[1] == 2 * down.shape[2]
+            and _is_silu(getattr(experts, "act_fn", None)))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +188,19 @@ class ModelRunner:
             routing.append(experts.view(*x.shape[:-1], -1))
         return mlp.experts(flat, experts, weights).view_as(x)
 
+    def _mlp_rows(self, layer: torch.nn.Module, x: torch.Tensor, routing: list[torch.Tensor] | None) -> torch.Tensor:
+        """`_mlp` for the kernel forward: a Qwen3-MoE layer's experts in one kernel call (`moe_experts`: the same
+        ATen ops as HF's eager loop, so the same bits, without its Python per expert); the router stays HF's."""
+        mlp = layer.mlp
+        if not (_is_moe(mlp) and _experts_kernel_fits(mlp.experts)):
+            return self._mlp(layer, x, routing)
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, experts = mlp.gate(flat)
+        if routing is not None:
+            routing.append(experts.view(*x.shape[:-1], -1))
+        out = self.kernels.moe_experts(flat, experts, weights, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+        return out.view_as(x)
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
                  routing: list[torch.Tensor] | None, rope: torch.Tensor | None = None,
                  visual: list[tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = ()) -> torch.Tensor:
@@ -283,7 +307,7 @@ class ModelRunner:
               routing: list[torch.Tensor] | None) -> torch.Tensor:
         """Hidden states [N, hidden] of N token rows through the compiled kernels (`FusedDecoder.forward_rows`)."""
         return self.fused.forward_rows(self.kernels, ids, slots, positions, self.k_cache, self.v_cache,
-                                       self.scaling, routing, self._mlp, self.weights_epoch)
+                                       self.scaling, routing, self._mlp_rows, self.weights_epoch)
 
     @staticmethod
     def _routing_rows(routing: list[torch.Tensor] | None) -> np.ndarray | None:

@@ -231,3 +231,38 @@ def test_transposed_weight_copies_follow_every_write():
                 p.data.copy_(newer[name])  # no version bump
         runner.load_weights([])
     assert (compare() - after).abs().max() > 1e-2
+
+
+def test_the_moe_experts_kernel_computes_hfs_experts_bit_for_bit():
+    """Same routing in, the same bits out as HF's experts module (whichever implementation its config picks):
+    several tokens per expert, and tokens whose two slots name the same expert. An index that names no expert
+    is refused."""
+    from miles_agent.engines.embedded.model_runner import _experts_kernel_fits
+
+    model, _ = build_tiny("tiny-qwen3-moe")
+    experts = model.model.layers[1].mlp.experts
+    assert _experts_kernel_fits(experts)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, experts.gate_up_proj.shape[2], generator=g)
+    index = torch.randint(0, experts.num_experts, (37, 2), generator=g)
+    assert (index[:, 0] == index[:, 1]).any()  # a token routed twice to one expert
+    weights = torch.rand(37, 2, generator=g)
+    kernels = cpu_kernels.load()
+    with torch.inference_mode():
+        want = experts(x, index, weights)
+        got = kernels.moe_experts(x, index, weights, experts.gate_up_proj, experts.down_proj)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="expert index 8 is outside 0..7"):
+        kernels.moe_experts(x, index.clamp(min=experts.num_experts), weights, experts.gate_up_proj, experts.down_proj)
+
+
+def test_moe_experts_that_are_wrapped_take_the_module():
+    """A layer whose experts are not HF's as built (a wrapper, another dtype) runs through its own module."""
+    from miles_agent.engines.embedded.model_runner import _experts_kernel_fits
+
+    model, _ = build_tiny("tiny-qwen3-moe")
+    experts = model.model.layers[0].mlp.experts
+    wrapper = torch.nn.Module()
+    wrapper.gate_up_proj, wrapper.down_proj, wrapper.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
+    assert not _experts_kernel_fits(wrapper)
+    assert not _experts_kernel_fits(copy.deepcopy(experts).double())
