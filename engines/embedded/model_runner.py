@@ -40,8 +40,9 @@ def _experts_kernel_fits(experts: torch.nn.Module) -> bool:
     """HF's Qwen3-MoE experts as built (not wrapped or quantized since): fp32 CPU weights gate_up [E, 2I, H]
     and down [E, H, I], SiLU -- what the `moe_experts` kernel computes."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    return (type(experts).__name__ == "Qwen3MoeExperts" and isinstance(gate_up, torch.Tensor)
-            and isinstance(down, torch.Tensor) and gate_up.dim() == 3 and down.dim() == 3
+    plain = (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass (a quantized or distributed weight)
+    return (type(experts).__name__ == "Qwen3MoeExperts" and type(gate_up) in plain and type(down) in plain
+            and gate_up.dim() == 3 and down.dim() == 3
             and gate_up.dtype == down.dtype == torch.float32 and gate_up.device.type == down.device.type == "cpu"
             and gate_up.is_contiguous() and down.is_contiguous() and gate_up.shape[1] == 2 * down.shape[2]
             and _is_silu(getattr(experts, "act_fn", None)))
