@@ -179,28 +179,26 @@ class ModelRunner:
         self.v_cache = self._empty(0, 0)
 
     # -- forward ----------------------------------------------------------------------------------
-    def _mlp(self, layer: torch.nn.Module, x: torch.Tensor, routing: list[torch.Tensor] | None) -> torch.Tensor:
+    def _mlp(self, layer: torch.nn.Module, x: torch.Tensor, routing: list[torch.Tensor] | None,
+             experts_kernel: bool = False) -> torch.Tensor:
+        """A layer's MLP; a MoE layer's exactly as HF's Qwen3MoeSparseMoeBlock.forward. ``experts_kernel`` (the
+        kernel forward): HF's experts as built run in one `moe_experts` call (the same ATen ops as HF's loop,
+        without its Python per expert); the router stays HF's module either way."""
         mlp = layer.mlp
         if not _is_moe(mlp):
             return mlp(x)
         flat = x.reshape(-1, x.shape[-1])
-        _, weights, experts = mlp.gate(flat)  # exactly HF's Qwen3MoeSparseMoeBlock.forward
-        if routing is not None:
-            routing.append(experts.view(*x.shape[:-1], -1))
-        return mlp.experts(flat, experts, weights).view_as(x)
-
-    def _mlp_rows(self, layer: torch.nn.Module, x: torch.Tensor, routing: list[torch.Tensor] | None) -> torch.Tensor:
-        """`_mlp` for the kernel forward: a Qwen3-MoE layer's experts in one kernel call (`moe_experts`: the same
-        ATen ops as HF's eager loop, so the same bits, without its Python per expert); the router stays HF's."""
-        mlp = layer.mlp
-        if not (_is_moe(mlp) and _experts_kernel_fits(mlp.experts)):
-            return self._mlp(layer, x, routing)
-        flat = x.reshape(-1, x.shape[-1])
         _, weights, experts = mlp.gate(flat)
         if routing is not None:
             routing.append(experts.view(*x.shape[:-1], -1))
-        out = self.kernels.moe_experts(flat, experts, weights, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+        if experts_kernel and _experts_kernel_fits(mlp.experts):
+            out = self.kernels.moe_experts(flat, experts, weights, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+        else:
+            out = mlp.experts(flat, experts, weights)
         return out.view_as(x)
+
+    def _mlp_rows(self, layer: torch.nn.Module, x: torch.Tensor, routing: list[torch.Tensor] | None) -> torch.Tensor:
+        return self._mlp(layer, x, routing, experts_kernel=True)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
                  routing: list[torch.Tensor] | None, rope: torch.Tensor | None = None,

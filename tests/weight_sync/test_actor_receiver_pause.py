@@ -1,7 +1,8 @@
 """The rank-0 path's receiver for engine actors (runtime/rank0_sync.ActorReceiver) carries a push's pause in
 its first bucket's announcement and its resume in the last one, instead of Ray calls of their own; the engine
 actor pauses before the first bucket touches a weight and resumes only once every bucket has loaded. Against a
-fake actor handle that records the calls as Ray would deliver them, and a real transport over a gloo group."""
+fake actor handle that records the calls as Ray would deliver them, and the distributed transport with its
+broadcasts stubbed."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ from miles_agent.runtime.rank0_sync import ActorReceiver
 
 
 class _Method:
-    def __init__(self, calls: list, name: str) -> None:
-        self.calls, self.name = calls, name
+    def __init__(self, calls: list, name: str, fails: bool) -> None:
+        self.calls, self.name, self.fails = calls, name, fails
 
     def remote(self, *args):  # noqa: ANN201 - an awaitable, as an ObjectRef is
         self.calls.append((self.name, args))
-        return _fail() if self.name in self.failing else asyncio.sleep(0)
-
-    failing: set[str] = set()
+        return _fail() if self.fails else asyncio.sleep(0)
 
 
 async def _fail() -> None:
@@ -26,14 +25,12 @@ async def _fail() -> None:
 
 
 class _Actor:
-    def __init__(self, failing: set[str] = frozenset()) -> None:
+    def __init__(self, failing: frozenset[str] = frozenset()) -> None:
         self.calls: list = []
         self.failing = failing
 
-    def __getattr__(self, name: str) -> _Method:
-        method = _Method(self.calls, name)
-        method.failing = self.__dict__.get("failing", set())
-        return method
+    def __getattr__(self, name: str) -> _Method:  # only for names __init__ did not set
+        return _Method(self.calls, name, name in self.failing)
 
 
 def test_the_pause_rides_on_the_first_announcement_and_only_there():
@@ -95,7 +92,7 @@ def test_a_resume_carried_by_the_last_announcement_saves_the_continue_call():
 
 
 def test_when_the_resuming_announcement_fails_continue_still_calls():
-    actor = _Actor(failing={"update_weights_from_distributed"})
+    actor = _Actor(failing=frozenset({"update_weights_from_distributed"}))
     receiver = ActorReceiver(actor)
 
     async def push() -> None:
