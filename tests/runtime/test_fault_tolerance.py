@@ -26,29 +26,48 @@ TINY = {"model.warm_start": None, "rollout.prompts_per_step": 4, "rollout.sample
 
 
 class Chaos:
-    """During each rollout, kill up to ``per_step`` engines that have requests in flight, at seeded random
-    delays; a kill the rollout ended too soon for carries over to the next step."""
+    """During each rollout, kill up to ``per_step`` engines that have requests in flight: each kill fires at
+    a seeded random request of the rollout's first turn plus a random delay, so it lands mid-rollout however
+    fast the engine is (a wall-clock delay alone missed whole rollouts once the engine got faster). A kill
+    the rollout ended too soon for carries over to the next step. The last ``calm_steps`` rollouts see no
+    kill: a request killed there may belong to work the run never collects, so no restart would follow."""
 
-    def __init__(self, ray, run: Run, kills: int, per_step: int, seed: int) -> None:
+    def __init__(self, ray, run: Run, kills: int, per_step: int, seed: int, calm_steps: int = 1) -> None:
         self.ray, self.run, self.left, self.per_step = ray, run, kills, per_step
+        self.rollouts_under_fire = run.cfg.run.steps - calm_steps
         self.rng = random.Random(seed)
         self.killed: list[int] = []
-        next_batch = run.scheduler.next_batch
+        self.requests = 0  # requests sent in this rollout
+        self._fire_at: list[int] = []  # request numbers at which a kill fires, this rollout
+        self._fire = asyncio.Queue()
+        next_batch, generate = run.scheduler.next_batch, run.engine.generate
+        first_turn = run.cfg.rollout.prompts_per_step * run.cfg.rollout.samples_per_prompt
 
         async def rollout_under_fire(*args, **kwargs):
-            attack = asyncio.ensure_future(self._attack())
+            self.requests, self._fire = 0, asyncio.Queue()
+            kills = min(self.per_step, self.left) if self.rollouts_under_fire > 0 else 0
+            self.rollouts_under_fire -= 1
+            self._fire_at = sorted(self.rng.randint(1, first_turn) for _ in range(kills))
+            attack = asyncio.ensure_future(self._attack(len(self._fire_at)))
             try:
                 return await next_batch(*args, **kwargs)
             finally:
                 attack.cancel()
 
-        run.scheduler.next_batch = rollout_under_fire
+        async def generate_under_fire(*args, **kwargs):
+            self.requests += 1
+            for _ in range(self._fire_at.count(self.requests)):
+                self._fire.put_nowait(self.requests)
+            return await generate(*args, **kwargs)
 
-    async def _attack(self) -> None:
-        for _ in range(min(self.per_step, self.left)):
-            await asyncio.sleep(self.rng.uniform(0.02, 0.2))
+        run.scheduler.next_batch, run.engine.generate = rollout_under_fire, generate_under_fire
+
+    async def _attack(self, kills: int) -> None:
+        for _ in range(kills):
+            await self._fire.get()
+            await asyncio.sleep(self.rng.uniform(0.0, 0.03))
             while not (busy := [s for s in self.run.engine._slots if s.ready and s.inflight > 0]):
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.002)
             victim = self.rng.choice(busy)
             self.ray.kill(victim.actor)
             self.killed.append(victim.index)
@@ -100,15 +119,14 @@ def run_under_fire(ray, tmp_path, kills: int, per_step: int, spare_steps: int, e
 
 
 def test_engines_killed_mid_rollout_lose_no_task(ray_session, tmp_path):
-    run_under_fire(ray_session, tmp_path, kills=3, per_step=1, spare_steps=1)
+    run_under_fire(ray_session, tmp_path, kills=3, per_step=1, spare_steps=2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_twenty_engine_kills_lose_no_task(ray_session, tmp_path):
-    # Spare steps for the kills a rollout ended too soon for: since the engine got faster (2026-12-06) the
-    # second kill of a step often finds no engine busy (the other one finished the step meanwhile).
-    run_under_fire(ray_session, tmp_path, kills=20, per_step=2, spare_steps=10)
+    # Spare steps for a kill the rollout ended too soon for (its request finished and no other was in flight).
+    run_under_fire(ray_session, tmp_path, kills=20, per_step=2, spare_steps=3)
 
 
 def test_a_dead_trainer_rank_leaves_a_checkpoint_the_run_resumes_from(ray_session, tmp_path):
