@@ -91,6 +91,16 @@ class EngineActor:
             await self.receiver.settled()
             await self.receiver.continue_generation()
 
+    async def receive_weights_stream(self, group_name: str, weight_version: str | None, pause: str | None = None,
+                                     resume: bool = False) -> None:
+        """A whole distributed push in one call (transports/stream.py). ``pause``: pause generation (that
+        mode) first; ``resume``: resume it once every bucket has loaded (not when the push fails)."""
+        if pause is not None:
+            await self.receiver.pause_generation(pause)
+        await self.receiver.receive_weights_stream(group_name, weight_version)
+        if resume:
+            await self.receiver.continue_generation()
+
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self.receiver.destroy_weights_update_group(group_name)
 

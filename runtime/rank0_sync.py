@@ -37,6 +37,7 @@ class ActorReceiver:
     # once that bucket and every earlier one have loaded, so `continue_generation` needs no call of its own (one
     # Ray round trip fewer after the transfer). If that announcement fails, `continue_generation` calls.
     resumes_after_last_bucket = True
+    receives_streams = True  # the actor's receiver takes a whole push in one call (transports/stream.py)
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -75,6 +76,13 @@ class ActorReceiver:
                                                                 weight_version, load_format, bucket, pause, resume)
         self._resumed = resume
 
+    async def receive_weights_stream(self, group_name: str = DEFAULT_GROUP, weight_version: str | None = None,
+                                     resume: bool = False) -> None:
+        """A whole push in one actor call; carries the pause before it and, with ``resume``, the continue after."""
+        pause, self._pause = self._pause, None
+        await self.actor.receive_weights_stream.remote(group_name, weight_version, pause, resume)
+        self._resumed = resume
+
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         await self.actor.destroy_weights_update_group.remote(group_name)
 
@@ -86,7 +94,8 @@ class Rank0Broadcaster:
     """Held by trainer rank 0: the weight-update group with the current engine actors, and the push."""
 
     def __init__(self, *, backend: str, master_address: str, bucket_bytes: int, check: bool,
-                 strip_prefix: str = "", add_prefix: str = "", control_timeout_s: float = 600.0) -> None:
+                 strip_prefix: str = "", add_prefix: str = "", control_timeout_s: float = 600.0,
+                 stream: bool | None = None) -> None:
         # Plain values only (no name-map function): the trainer actor compares the options of each push
         # with the last ones to know whether to rebuild this broadcaster.
         from miles_agent.transports.core import prefix_map
@@ -96,7 +105,7 @@ class Rank0Broadcaster:
 
             master_address = ray.util.get_node_ip_address()
         self.options = dict(backend=backend, master_address=master_address, bucket_bytes=bucket_bytes,
-                            check=check, name_map=prefix_map(strip_prefix, add_prefix))
+                            check=check, name_map=prefix_map(strip_prefix, add_prefix), stream=stream)
         self.control_timeout_s = control_timeout_s
         self.transport: Any = None
         self._members: list[str] = []

@@ -7,7 +7,8 @@ Transports (each bounds its extra memory to about one bucket, ``bucket_bytes``):
   CPU, a CUDA IPC handle on GPU (SGLang's ``update_weights_from_tensor``).
 - `DistributedTransport` (``distributed``) -- a torch.distributed group from trainer rank 0 to the
   engines, gloo on CPU and NCCL on GPU (SGLang's ``init_weights_update_group`` /
-  ``update_weights_from_distributed``).
+  ``update_weights_from_distributed``); engines that can take a whole push in one request get it streamed,
+  the bucket layout in band (transports/stream.py).
 - `DiskTransport` (``disk``) -- a versioned safetensors folder written atomically, loaded by the engines
   (SGLang's ``update_weights_from_disk``).
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from miles_agent.transports.base import EngineTransport
-from miles_agent.transports.core import WeightSyncError, bucket_metadata, dtype_name, flat_buckets, pack
+from miles_agent.transports.core import WeightSyncError, bucket_metadata, buckets, dtype_name, flat_buckets, pack
 from miles_agent.transports.groups import (
     DEFAULT_GROUP,
     destroy_group,
@@ -48,10 +48,17 @@ class DistributedTransport(EngineTransport):
 
     def __init__(self, engines: list[WeightReceiver], *, backend: str = "gloo", master_address: str = "127.0.0.1",
                  master_port: int = 0, group_name: str = DEFAULT_GROUP, timeout_s: float = 300.0,
-                 flatten: bool = False, **kwargs: Any) -> None:
+                 flatten: bool = False, stream: bool | None = None, **kwargs: Any) -> None:
         super().__init__(engines, **kwargs)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        cannot = [i for i, e in enumerate(engines) if not getattr(e, "receives_streams", False)]
+        if stream and (cannot or flatten):
+            raise ValueError("stream=True needs per-tensor buckets (flatten=False) and engines that take a "
+                             "streamed push (receives_streams); " + (f"engines {cannot} do not (an SGLang server "
+                             "takes per-bucket requests): leave stream unset" if cannot else "set flatten=False"))
+        # Streamed (transports/stream.py) when every engine can take it: the wire protocol is one per group.
+        self.stream = not flatten and not cannot if stream is None else stream
         self.backend = backend
         self.master_address = master_address
         self.master_port = master_port
@@ -89,15 +96,16 @@ class DistributedTransport(EngineTransport):
         if self.group is None:
             await self.connect()
         device = torch.device("cuda" if self.backend == "nccl" else "cpu")
+        if self.stream:
+            return await self._send_stream(named_tensors, version, device)
         if self.flatten and self._staging is None:
             self._staging = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
         # Per-tensor buckets need no staging, so the next one is announced and queued for broadcast while
         # the engines still load the last: the per-bucket round trip overlaps the data transfer.
         depth = 1 if self.flatten else 2
         inflight: deque[tuple[asyncio.Future, list[asyncio.Future], str]] = deque()
-        last_send: asyncio.Future | None = None
         total, n, carried = 0, 0, 0
-        busy = [0.0]  # seconds this side spent inside broadcasts (the rest of the send waited on the engines)
+        lane = _SendLane()
         # From bucket 1 on, one bucket of lookahead, so the last one is known when it is announced: a receiver that
         # can (an engine actor) resumes generation itself once that bucket has loaded, and the push's continue costs
         # no round trip after the transfer. Bucket 0 goes out at once (a gather ahead would delay the whole push), so
@@ -128,8 +136,7 @@ class DistributedTransport(EngineTransport):
                 receives = [asyncio.ensure_future(e.update_weights_from_distributed(
                     **announce, **({"resume": True} if resume else {}))) for e, resume in zip(self.engines, fold)]
                 carried = sum(fold)
-                last_send = asyncio.ensure_future(_broadcast_after(last_send, wire, self.group, busy))
-                inflight.append((last_send, receives, f"bucket {n} (first tensor {metas[0].name!r})"))
+                inflight.append((lane.submit(wire, self.group), receives, f"bucket {n} (first tensor {metas[0].name!r})"))
                 total += metas[-1].end_idx
                 n += 1
                 while len(inflight) >= depth:
@@ -138,11 +145,65 @@ class DistributedTransport(EngineTransport):
             while inflight:
                 await self._finish(*inflight.popleft())
         finally:
+            lane.close()
             for send, receives, _ in inflight:  # after a failure: consume what is still pending
                 for f in (send, *receives):
                     f.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return {"sync_bytes": float(total), "sync_buckets": float(n), "sync_broadcast_s": busy[0],
+        return {"sync_bytes": float(total), "sync_buckets": float(n), "sync_broadcast_s": lane.busy,
                 "sync_resumes_carried": float(carried)}
+
+    async def _send_stream(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int,
+                           device: torch.device) -> dict[str, float]:
+        """The whole push as one request per engine, the layout in band (transports/stream.py). At most two
+        buckets are gathered and queued for broadcast at a time, as in the per-bucket protocol."""
+        import torch
+
+        from miles_agent.transports.stream import end_tensors, header_tensors
+
+        resume = [not self.check and getattr(e, "resumes_after_last_bucket", False) for e in self.engines]
+        receives = [asyncio.ensure_future(e.receive_weights_stream(
+            group_name=self.active_group, weight_version=str(version), **({"resume": True} if r else {})))
+            for e, r in zip(self.engines, resume)]
+        await asyncio.sleep(0)  # the requests go out now: the engines get ready while the first bucket is gathered
+        sends: deque[tuple[asyncio.Future, str]] = deque()
+        last_send: asyncio.Future | None = None
+        total, n = 0, 0
+        lane = _SendLane()
+        try:
+            for bucket in buckets(named_tensors, self.bucket_bytes):  # tensor by tensor: no dtype alignment
+                metas = bucket_metadata([name for name, _ in bucket], [dtype_name(t) for _, t in bucket],
+                                        [list(t.shape) for _, t in bucket], flat=False)
+                wire = [*header_tensors(metas, device), *(outgoing(name, t, device) for name, t in bucket)]
+                if self.backend == "nccl":
+                    torch.cuda.current_stream().synchronize()
+                last_send = lane.submit(wire, self.group)
+                sends.append((last_send, f"bucket {n} (first tensor {metas[0].name!r})"))
+                total += metas[-1].end_idx
+                n += 1
+                while len(sends) >= 2:
+                    await self._sent(*sends.popleft(), receives)
+            last_send = lane.submit(end_tensors(device), self.group)
+            await self._finish(last_send, receives, "ending the streamed push")
+        except BaseException:
+            for f in (*(send for send, _ in sends), *receives, *([last_send] if last_send else [])):
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())  # what is still pending, consumed
+            raise
+        finally:
+            lane.close()
+        return {"sync_bytes": float(total), "sync_buckets": float(n), "sync_broadcast_s": lane.busy,
+                "sync_resumes_carried": float(sum(resume)), "sync_streamed": 1.0}
+
+    async def _sent(self, send: asyncio.Future, what: str, receives: list[asyncio.Future]) -> None:
+        """Wait for one bucket's broadcast of a streamed push. A stream ends only after the last bucket, so
+        an engine whose receive ended meanwhile has failed: its error is raised at once."""
+        await asyncio.wait([send, *receives], return_when=asyncio.FIRST_COMPLETED)
+        early = [i for i, r in enumerate(receives) if r.done() and not r.cancelled() and r.exception() is None]
+        if early:
+            self.group = None  # that engine no longer receives: the group is out of step
+            raise WeightSyncError(f"distributed weight sync failed while {what}: engine {early[0]} ended its "
+                                  "streamed receive before the end of the push")
+        if not (send.done() and send.exception() is None and not any(r.done() for r in receives)):
+            await self._finish(send, receives, what)  # raises the first error, naming who failed
 
     async def _finish(self, send: asyncio.Future, receives: list[asyncio.Future], what: str) -> None:
         try:
@@ -155,19 +216,35 @@ class DistributedTransport(EngineTransport):
             raise
 
 
-async def _broadcast_after(previous: asyncio.Future | None, wire: list[torch.Tensor], group: Any,
-                           busy: list[float]) -> None:
-    """Broadcast ``wire`` once the previous bucket's broadcast is done (collectives run in issue order);
-    adds the seconds spent broadcasting to ``busy[0]``."""
-    if previous is not None:
-        await asyncio.wait([previous])
-        if previous.cancelled() or previous.exception() is not None:
-            raise WeightSyncError("not sent: the previous bucket's broadcast failed")
-    t0 = time.perf_counter()
-    try:
-        await asyncio.to_thread(_broadcast_all, wire, group)
-    finally:
-        busy[0] += time.perf_counter() - t0
+class _SendLane:
+    """One thread that runs a push's broadcasts in the order they were queued, so the next bucket's starts the
+    moment the last one ends -- no hop through the event loop and a fresh worker thread between two buckets
+    while the engines wait. After a failed broadcast the group is out of step: nothing queued later is sent."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="weights-send")
+        self.busy = 0.0  # seconds spent inside broadcasts (the rest of a send waited on the engines)
+        self.failed = False
+
+    def submit(self, wire: list[torch.Tensor], group: Any) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.pool, self._broadcast, wire, group)
+
+    def _broadcast(self, wire: list[torch.Tensor], group: Any) -> None:
+        if self.failed:
+            raise WeightSyncError("not sent: an earlier broadcast of this push failed")
+        t0 = time.perf_counter()
+        try:
+            _broadcast_all(wire, group)
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            self.busy += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)  # a broadcast stuck in a broken group cannot be interrupted
 
 
 def outgoing(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -68,6 +68,8 @@ class InProcessReceiver:
     CPU, CUDA IPC handles on GPU), so only a trusted local trainer may call ``update_weights_from_tensor``.
     """
 
+    receives_streams = True  # takes a whole distributed push in one call (`receive_weights_stream`)
+
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
         self._groups: dict[str, Any] = {}
@@ -149,6 +151,45 @@ class InProcessReceiver:
             async with self._turn:
                 self._in_flight -= 1
                 self._turn.notify_all()
+
+    async def receive_weights_stream(self, group_name: str = DEFAULT_GROUP, weight_version: str | None = None
+                                     ) -> None:
+        """A whole distributed push in one call (transports/stream.py): per bucket a header, then its
+        tensors, until the end marker. Each tensor lands where `update_weights_from_distributed` puts it
+        (straight in its parameter while paused); a bucket that needs a load is loaded while the next one
+        is received. A failed load does not stop the receiving, or the sender would wait in its broadcast:
+        the rest of the push is received but not loaded, and the first error is raised at the end."""
+        import torch.distributed as dist
+
+        from miles_agent.transports.stream import receive_header
+
+        if group_name not in self._groups:
+            raise WeightSyncError(f"no weight update group {group_name!r} on this engine; call "
+                                  "init_weights_update_group first")
+        group, device = self._groups[group_name], self.device
+        loop = asyncio.get_running_loop()
+
+        def broadcast(t: torch.Tensor) -> None:
+            dist.broadcast(t, 0, group)
+
+        def receive() -> BaseException | None:  # on the group's receive thread
+            loading, failed = None, None  # the last bucket's load (a future on the loop), the first error
+            targets = self._targets()  # the model's modules do not change during a push
+            while (metas := receive_header(broadcast, device)) is not None:
+                destinations, items = self._destinations(metas, device, targets)
+                for _, t in destinations:
+                    broadcast(t)
+                if loading is not None:
+                    failed = failed or loading.exception()
+                    loading = None
+                if items and failed is None:
+                    loading = asyncio.run_coroutine_threadsafe(self._load(items, weight_version), loop)
+            return failed or (loading.exception() if loading is not None else None)
+
+        failed = await loop.run_in_executor(self._lane(group_name), receive)
+        if failed is not None:
+            raise failed
+        await self._load([], weight_version)  # the version, and a new weights epoch for what went straight in
 
     async def settled(self) -> None:
         """Returns once every bucket call that has arrived has loaded (or failed): what a resume carried by a
@@ -250,17 +291,16 @@ class InProcessReceiver:
             raise WeightSyncError(f"check_weights: only action='checksum' is supported, got {action!r}")
         return {"checksums": await asyncio.to_thread(module_checksums, self.engine.model)}
 
-    def _destinations(self, metas: list[TensorMeta], device: torch.device
+    def _destinations(self, metas: list[TensorMeta], device: torch.device, targets: dict[str, Any] | None = None
                       ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
         """Where each announced tensor lands: straight in the engine's own parameter when that is safe (the
         engine was paused through this receiver or only holds a model; same dtype, shape and device;
         contiguous), which saves a copy, else in a new buffer that is then loaded through the engine.
-        Returns (all destinations in order, the buffers to load)."""
+        Returns (all destinations in order, the buffers to load). ``targets``: `_targets()`, when the
+        caller keeps it across buckets."""
         import torch
 
-        model = self.engine.model
-        targets = dict(model.named_parameters(remove_duplicate=False))
-        targets.update(model.named_buffers(remove_duplicate=False))
+        targets = self._targets() if targets is None else targets
         quiet = self._paused or isinstance(self.engine, ModelHolder)  # nothing reads the weights meanwhile
         destinations, to_load = [], []
         for m in metas:
@@ -274,6 +314,13 @@ class InProcessReceiver:
                 destinations.append((m.name, buf))
                 to_load.append((m.name, buf))
         return destinations, to_load
+
+    def _targets(self) -> dict[str, Any]:
+        """The engine's parameters and buffers by name."""
+        model = self.engine.model
+        targets = dict(model.named_parameters(remove_duplicate=False))
+        targets.update(model.named_buffers(remove_duplicate=False))
+        return targets
 
     def _flat_buffer(self, nbytes: int) -> torch.Tensor:
         import torch

@@ -93,6 +93,8 @@ Requests go out as soon as they are made and the child answers them in order, so
 the next request (the next bucket's announcement) before the last one is answered.
 """
 
+    receives_streams = True  # the child's InProcessReceiver takes a whole distributed push in one request
+
     def __init__(self, model_fn: Any, *, serve: bool = True, device: str = "cpu", max_batch_size: int = 8,
                  start_method: str = "spawn", num_threads: int | None = None, start_timeout_s: float = 120.0,
                  call_timeout_s: float = 600.0) -> None:
@@ -200,6 +202,10 @@ the next request (the next bucket's announcement) before the last one is answere
         await self.call("update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
                         group_name=group_name, flush_cache=flush_cache, weight_version=weight_version,
                         load_format=load_format)
+
+    async def receive_weights_stream(self, group_name: str = DEFAULT_GROUP, weight_version: str | None = None
+                                     ) -> None:
+        await self.call("receive_weights_stream", group_name=group_name, weight_version=weight_version)
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         await self.call("destroy_weights_update_group", group_name=group_name)

@@ -76,9 +76,9 @@ def test_rank0_broadcasts_checked_weights_and_a_replaced_engine_rejoins(ray_sess
 
 
 def test_unchecked_pushes_resume_the_engines_with_the_trainers_weights(ray_session, tmp_path):
-    """Without the check, each push's last bucket carries the engines' resume (no continue call after the
-    transfer): every step after a push still generates, and the engines end unpaused, at the last version,
-    holding exactly the trainer's weights."""
+    """Without the check, each push is streamed (one call per engine actor, transports/stream.py) and carries
+    the engines' resume (no continue call after the transfer): every step after a push still generates, and
+    the engines end unpaused, at the last version, holding exactly the trainer's weights."""
     from miles_agent.transports.core import compare_checksums, tensor_checksum
 
     cfg = load_config("tiny-cpu", {**TINY, "run.steps": 2, "run.run_dir": str(tmp_path), "sync.check": False})
@@ -87,7 +87,8 @@ def test_unchecked_pushes_resume_the_engines_with_the_trainers_weights(ray_sessi
     try:
         records = asyncio.run(run.train())
         assert len(records) == 2 and all(r["sync_bytes"] > 0 for r in records)
-        assert [r["sync_resumes_carried"] for r in records] == [2, 2]  # both engines, by the last bucket
+        assert [r["sync_resumes_carried"] for r in records] == [2, 2]  # both engines, by their stream call
+        assert [r["sync_streamed"] for r in records] == [1, 1]
         probes = ray_session.get([s.actor.probe.remote() for s in sup._slots])
         assert [(p["weight_version"], p["paused"]) for p in probes] == [(2, False), (2, False)]
         expected = {name: tensor_checksum(t) for name, t in run.trainer.named_weights()}

@@ -203,3 +203,19 @@ def test_the_transport_marks_the_last_bucket_only_and_not_when_checking(monkeypa
     assert _announcements(check=False, monkeypatch=monkeypatch, buckets=2) == [False, True]
     # bucket 0 goes out before the next is read: a push of one bucket resumes by a call of its own
     assert _announcements(check=False, monkeypatch=monkeypatch, buckets=1) == [False]
+
+
+def test_a_streamed_push_carries_the_pause_and_the_resume_in_its_one_call():
+    actor = _Actor()
+    receiver = ActorReceiver(actor)
+
+    async def push(resume: bool) -> None:
+        await receiver.pause_generation("in_place")
+        await receiver.receive_weights_stream("g", "3", resume=resume)
+        await receiver.continue_generation()
+
+    asyncio.run(push(resume=True))
+    assert actor.calls == [("receive_weights_stream", ("g", "3", "in_place", True))]  # nothing after it
+    actor.calls.clear()
+    asyncio.run(push(resume=False))  # e.g. with the checksum check, which reads the weights before resuming
+    assert actor.calls == [("receive_weights_stream", ("g", "3", "in_place", False)), ("continue_generation", ())]

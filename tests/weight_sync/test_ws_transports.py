@@ -24,7 +24,7 @@ from miles_agent.transports import (
 
 PROMPT = list(range(40, 52))
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
-KINDS = ["shm", "distributed", "distributed-flat", "disk"]
+KINDS = ["shm", "distributed", "distributed-flat", "disk", "distributed-buckets"]  # distributed: streamed
 VICTIM = "model.layers.1.mlp.up_proj.weight"
 
 
@@ -47,8 +47,9 @@ def engine(engines):
 def make(kind: str, engine, tmp_path, **kw):
     if kind == "shm":
         return SharedMemoryTransport([engine], **kw)
-    if kind.startswith("distributed"):
-        return DistributedTransport([engine], backend="gloo", flatten=kind.endswith("flat"), **kw)
+    if kind.startswith("distributed"):  # an engine process takes a streamed push unless told per bucket
+        return DistributedTransport([engine], backend="gloo", flatten=kind.endswith("flat"),
+                                    stream=False if kind.endswith("buckets") else None, **kw)
     return DiskTransport([engine], root=tmp_path / "weights", **kw)
 
 
@@ -83,6 +84,7 @@ def test_push_to_engine_process_checks_and_samples_like_the_trainer(kind, engine
         return m1, m2, out, await engine.weight_version()
 
     m1, m2, out, version = asyncio.run(run())
+    assert m1.get("sync_streamed", 0) == (kind == "distributed")
     total = sum(t.numel() * t.element_size() for _, t in named)
     assert m1["sync_bytes"] == total and m1["sync_buckets"] > 5  # 3.4 MB in 256 KiB buckets
     assert m1["sync_checked_tensors"] == len(named) == m2["sync_checked_tensors"]
@@ -135,7 +137,7 @@ def test_check_mode_catches_a_corrupted_transfer_by_name(kind, engine, tmp_path,
     if kind == "disk":
         from safetensors.torch import save_file
         monkeypatch.setattr("safetensors.torch.save_file", _perturb_file(save_file))
-    elif kind == "distributed":
+    elif kind in ("distributed", "distributed-buckets"):
         monkeypatch.setattr(dist, "outgoing", _perturb_tensor(dist.outgoing))
     else:
         module = shm if kind == "shm" else dist
@@ -203,3 +205,67 @@ def test_two_engine_processes_both_get_the_weights(kind, engines):
     outs = asyncio.run(run())
     assert [o.weight_version for o in outs] == [60, 60]
     assert outs[0].output_ids == outs[1].output_ids == greedy(model)
+
+
+def test_a_streamed_push_is_one_request_and_loads_what_cannot_go_straight_in(engine, monkeypatch):
+    """Many buckets, one request to the engine process; bf16 tensors for an fp32 engine are received into
+    buffers and loaded (cast) while the next bucket arrives, fp32 ones land straight in the parameters."""
+    model, named = trainer_weights(70)
+    sent = [(n, t.to(torch.bfloat16) if i % 2 else t) for i, (n, t) in enumerate(named)]
+    with torch.no_grad():  # what the engine should then hold: every other tensor rounded through bf16
+        model.load_state_dict({n: t.float() for n, t in sent})
+    calls: list[str] = []
+    call = engine.call
+
+    async def recorded(method, **kwargs):
+        calls.append(method)
+        return await call(method, **kwargs)
+
+    monkeypatch.setattr(engine, "call", recorded)
+
+    async def run():
+        tr = DistributedTransport([engine], backend="gloo", bucket_bytes=128 << 10)
+        stats = await tr.push(sent, version=71)
+        out = await engine.generate(PROMPT, GREEDY)
+        await tr.close()
+        return stats, out
+
+    stats, out = asyncio.run(run())
+    assert stats["sync_streamed"] == 1 and stats["sync_buckets"] > 10
+    assert calls.count("receive_weights_stream") == 1 and "update_weights_from_distributed" not in calls
+    assert out.weight_version == 71 and out.output_ids == greedy(model)
+
+
+def test_a_load_that_fails_mid_stream_receives_the_rest_and_the_group_survives(engine):
+    """A bad tensor in the middle of a streamed push: the engine still receives every later bucket (the
+    trainer is never left in a broadcast), the error names the tensor, and the next push works."""
+    model, named = trainer_weights(80)
+    middle = len(named) // 2
+    bad = [*named[:middle], ("bogus.weight", torch.zeros(3)), *named[middle:]]
+
+    async def run():
+        tr = DistributedTransport([engine], backend="gloo", bucket_bytes=128 << 10, timeout_s=60)
+        with pytest.raises(WeightSyncError, match=r"engine 0: .*no parameter named 'bogus.weight'"):
+            await tr.push(bad, version=81)
+        assert tr.group is not None  # every broadcast completed; only a load failed
+        stats = await tr.push(named, version=82)
+        out = await engine.generate(PROMPT, GREEDY)
+        await tr.close()
+        return stats, out
+
+    stats, out = asyncio.run(run())
+    assert stats["sync_streamed"] == 1
+    assert out.weight_version == 82 and out.output_ids == greedy(model)
+
+
+def test_engines_that_cannot_take_a_stream_get_per_bucket_requests(engine):
+    class PerBucketOnly:  # e.g. an SGLang server's client: no receive_weights_stream
+        pass
+
+    assert DistributedTransport([engine]).stream
+    assert not DistributedTransport([engine, PerBucketOnly()]).stream  # one wire protocol per group
+    assert not DistributedTransport([engine], flatten=True).stream
+    with pytest.raises(ValueError, match=r"engines \[1\] do not .*leave stream unset"):
+        DistributedTransport([engine, PerBucketOnly()], stream=True)
+    with pytest.raises(ValueError, match="set flatten=False"):
+        DistributedTransport([engine], flatten=True, stream=True)
