@@ -9,6 +9,7 @@ moved to host while the trainer uses the device) and two fault-injection calls u
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -32,6 +33,8 @@ class EngineActor:
                                   weight_version=weight_version, true_on_policy=true_on_policy,
                                   prefix_cache_bytes=prefix_cache_bytes)
         self.released = False
+        self.memory_events: list[tuple[str, float]] = []  # colocation: when the memory went and came back
+        self._parts: dict[str, Any] | None = None  # the push whose buckets are arriving (`sync_weights_part`)
         self.receiver = InProcessReceiver(self.engine)  # SGLang's weight-update API over this engine
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams,
@@ -60,6 +63,34 @@ class EngineActor:
         await self.update_weights(weights, version)
         await self.resume()
         return was_released
+
+    async def sync_weights_part(self, weights: Any, version: int, push: str, part: int, parts: int) -> bool:
+        """Bucket ``part`` of the ``parts`` of one push (id ``push``) that the trainer puts in the object store
+        one at a time (`TrainerActor.put_to_engines`). Ray may start these calls in any order: the first to
+        come resumes the memory and pauses in place, the others wait for that; each loads its bucket; the one
+        that completes the set resumes generation. Returns whether the memory had been released (only the
+        call that paused can say). A failed load leaves the engine paused, as `sync_weights` does."""
+        state = self._parts
+        first = state is None or state["push"] != push
+        if first:
+            ready = asyncio.get_running_loop().create_future()
+            state = self._parts = {"push": push, "ready": ready, "loaded": 0}
+            try:
+                state["released"] = await self.resume_memory()
+                await self.pause(PauseMode.IN_PLACE)
+                ready.set_result(None)
+            except BaseException as e:
+                ready.set_exception(e)
+                ready.exception()  # retrieved: the waiting calls raise it
+                raise
+        else:
+            await asyncio.shield(state["ready"])
+        await self.update_weights(weights, version)
+        state["loaded"] += 1
+        if state["loaded"] == parts:
+            self._parts = None
+            await self.resume()
+        return first and state["released"]
 
     # -- SGLang's weight-update calls, so trainer rank 0 can broadcast to this engine (runtime/rank0_sync.py)
     async def pause_generation(self, mode: str = "in_place") -> None:
@@ -129,6 +160,7 @@ class EngineActor:
             self.engine.runner.model.to("cpu")
             torch.cuda.empty_cache()
         self.released = True
+        self.memory_events.append(("release", time.monotonic()))
 
     async def resume_memory(self) -> bool:
         """Weights back on the device (decoding continues at the next ``resume``); returns whether
@@ -136,8 +168,14 @@ class EngineActor:
         was = self.released
         if was and self.engine.device.type == "cuda":
             self.engine.runner.model.to(self.engine.device)
+        if was:
+            self.memory_events.append(("resume", time.monotonic()))
         self.released = False
         return was
+
+    def memory_log(self) -> list[tuple[str, float]]:
+        """(``release`` or ``resume``, monotonic time) for each time the memory was given back or taken again."""
+        return list(self.memory_events)
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()

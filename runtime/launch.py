@@ -37,18 +37,25 @@ class RaySession:
 
 
 class ObjectStoreTransport:
-    """`WeightTransport` to supervised engine actors: one ``ray.put`` of the full weights per version.
+    """`WeightTransport` to supervised engine actors through Ray's object store.
 
-    With the Ray trainer group, rank 0 puts them in the store itself and the driver hands the engines
-    the reference (its lazy ``named_weights`` is never read); otherwise the driver packs what it is given."""
+    With the Ray trainer group, rank 0 puts the weights in the store itself, bucket by bucket, and has the
+    engines load each bucket while it puts the next (`TrainerActor.put_to_engines`); the driver keeps the
+    references for engines that restart and never reads the bytes (its lazy ``named_weights`` is never
+    read). Otherwise the driver packs what it is given and puts it once."""
 
-    def __init__(self, engines: Any, trainer: Any = None) -> None:
-        self.engines, self.trainer = engines, trainer
+    def __init__(self, engines: Any, trainer: Any = None, bucket_bytes: int = 64 << 20) -> None:
+        self.engines, self.trainer, self.bucket_bytes = engines, trainer, bucket_bytes
 
     async def push(self, named_tensors: Any, version: int) -> dict[str, float]:
-        if hasattr(self.trainer, "stored_weights"):
-            ref, nbytes, buckets = await asyncio.to_thread(self.trainer.stored_weights)
-            return await self.engines.push_stored(ref, version, nbytes, buckets)
+        if hasattr(self.trainer, "put_to_engines"):
+            async def send(actors: list[Any]) -> tuple[dict[str, float], list[Any]]:
+                refs, nbytes, released = await asyncio.to_thread(self.trainer.put_to_engines, actors, int(version),
+                                                                 self.bucket_bytes)
+                return {"sync_bytes": float(nbytes), "sync_buckets": float(len(refs)),
+                        "engine_memory_resumed": float(released)}, refs
+
+            return await self.engines.push_with(send, version)
         return await self.engines.push_weights(named_tensors, version)
 
 
@@ -155,7 +162,7 @@ class RayCluster:
         """object-store (``auto``): through Ray's object store, via the driver. distributed: trainer rank 0
         broadcasts to the engine actors itself (runtime/rank0_sync.py)."""
         if _check_actor_transport(self.cfg) == "object-store":
-            return ObjectStoreTransport(engines[0], trainer)
+            return ObjectStoreTransport(engines[0], trainer, bucket_bytes=self.cfg.sync.bucket_mb << 20)
         from miles_agent.runtime.rank0_sync import RankZeroTransport
 
         return RankZeroTransport(trainer, engines[0], self.rank0_options())

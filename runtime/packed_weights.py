@@ -30,6 +30,19 @@ class PackedWeights:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a, _ in self.parts)
 
+    def split(self, max_bytes: int) -> list[PackedWeights]:
+        """The parts in consecutive groups of at most ``max_bytes`` (a larger part goes alone): what is put in
+        the object store one group at a time, so engines load one group while the next is put."""
+        groups: list[list[tuple[Any, list[TensorMeta]]]] = []
+        size = 0
+        for part in self.parts:
+            if not groups or (size + int(part[0].nbytes) > max_bytes and groups[-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(part)
+            size += int(part[0].nbytes)
+        return [PackedWeights(g) for g in groups]
+
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Named views (no copy). Arrays read from the object store are read-only: load from these views
         (copy them into parameters), never write to them."""

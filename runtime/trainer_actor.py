@@ -120,13 +120,37 @@ class TrainerActor:
         with self._gathering() as rank0:
             return pack_weights(self.trainer.named_weights(), self.staging) if rank0 else None
 
-    def stored_weights(self) -> Any:
-        """`full_weights` left in the object store: rank 0 returns ``[ref, nbytes, buckets]`` (the ref
-        nested in a list, so the driver passes it on without fetching the bytes), the others None."""
+    def put_to_engines(self, engines: list[Any], version: int, bucket_bytes: int) -> Any:
+        """A collective: every rank gathers; rank 0 puts the weights in the object store bucket by bucket
+        (``bucket_bytes``) and has every engine actor load each bucket as soon as it is stored, so the engines
+        load one bucket while the next is put (one ``ray.put`` of everything, then the loads, left the
+        engines idle during the put and the store's writer idle during the loads). Rank 0 returns
+        ``[refs, bytes, engines whose memory had been released]`` (the refs nested, so the driver keeps them
+        for restarted engines without fetching the bytes), the others None. An engine that dies fails the
+        call (the supervisor replaces it and pushes again)."""
+        import uuid
+
         import ray
 
-        packed = self.full_weights()
-        return None if packed is None else [ray.put(packed), packed.nbytes, len(packed.parts)]
+        from miles_agent.runtime.packed_weights import pack_weights
+        from miles_agent.runtime.supervisor import actor_failures
+        from miles_agent.transports.core import WeightSyncError
+
+        with self._gathering() as rank0:
+            if not rank0:
+                return None
+            packed = pack_weights(self.trainer.named_weights(), self.staging)
+        buckets = packed.split(bucket_bytes)
+        push = uuid.uuid4().hex  # a retried push of the same version counts its buckets afresh
+        refs, loads = [], []
+        for i, bucket in enumerate(buckets):
+            refs.append(ray.put(bucket))
+            loads.append([e.sync_weights_part.remote(refs[-1], version, push, i, len(buckets)) for e in engines])
+        try:
+            released = [any(ray.get(per_bucket[j]) for per_bucket in loads) for j in range(len(engines))]
+        except actor_failures() as e:  # not this rank's failure: the driver must not take it for one
+            raise WeightSyncError(f"an engine died while loading the pushed weights ({type(e).__name__})") from None
+        return [refs, packed.nbytes, sum(released)]
 
     def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
         """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)
@@ -313,11 +337,12 @@ class RayTrainerGroup:
 
         yield from named_tensors(self._on_ranks("full_weights")[0])
 
-    def stored_weights(self) -> tuple[Any, int, int]:
-        """(object ref of rank 0's `PackedWeights`, bytes, buckets): the weights put in the object store by
-        rank 0, never fetched by the driver."""
-        ref, nbytes, buckets = self._on_ranks("stored_weights")[0]
-        return ref, nbytes, buckets
+    def put_to_engines(self, engine_actors: list[Any], version: int, bucket_bytes: int) -> tuple[list[Any], int, int]:
+        """Rank 0 puts the weights in the object store bucket by bucket and has ``engine_actors`` load each as
+        it is stored: (refs of the buckets, bytes, engines whose memory had been released). The driver never
+        fetches them; it keeps the refs for engines that restart."""
+        refs, nbytes, released = self._on_ranks("put_to_engines", engine_actors, version, bucket_bytes)[0]
+        return refs, nbytes, released
 
     def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
                           ) -> dict[str, float]:

@@ -51,18 +51,17 @@ def test_colocated_trainer_ranks_offload_while_engines_generate(ray_session, tmp
     sess = run.cluster.session
     engines: list[tuple[str, float, float]] = []
     spy(sess.engines, "release_memory", engines)
-    spy(sess.engines, "_sync_one", engines)  # per engine: resume its memory, then load the weights
 
     async def main():
         try:
             records = await run.train()
             return records, run.trainer.memory_log(), run.trainer.where(), [
-                await a.where.remote() for a in sess.engines.actors]
+                await a.where.remote() for a in sess.engines.actors], await sess.engines.actors[0].memory_log.remote()
         finally:
             await run.engine.shutdown()
             run.trainer.close()
 
-    records, logs, ranks, engine_where = asyncio.run(main())
+    records, logs, ranks, engine_where, engine_log = asyncio.run(main())
     assert [r["step"] for r in records] == [0, 1] and all(r["train/reload_s"] >= 0 for r in records)
     # the engine really shares rank 0's bundle (the same fake GPU)
     assert ranks[0]["gpu_ids"] and [w["gpu_ids"] for w in engine_where] == [ranks[0]["gpu_ids"]]
@@ -73,10 +72,11 @@ def test_colocated_trainer_ranks_offload_while_engines_generate(ray_session, tmp
         assert [e for e, _, _ in log] == expected
         assert all((b == 0) == (e == "offload") for e, _, b in log)  # offloaded: nothing left on the device
         assert log[5][2] == log[2][2]  # step 1's reload brings back all step 0 held, Adam state included
-    assert [name for name, _, _ in engines] == ["release_memory", "_sync_one"] * 2
+    assert [name for name, _, _ in engines] == ["release_memory"] * 2
+    assert [e for e, _ in engine_log] == ["release", "resume"] * 2  # the engine took it back with each push
     for step in range(2):
-        _, _, released = engines[2 * step]
-        _, pushed, _ = engines[2 * step + 1]
+        _, _, released = engines[step]
+        pushed = engine_log[2 * step + 1][1]
         for log in logs:  # this step's (reload, train_step, gather, offload) on every rank
             (_, t_reload, _), _, (_, t_gather, _), (_, t_offload, _) = log[1 + 4 * step: 5 + 4 * step]
             assert released <= t_reload  # the engines freed the device before the rank took it
