@@ -4,18 +4,21 @@ same bytes between two Ray actors, in the same run.
 The real stack: one FSDP2 trainer rank as a Ray actor (`RayTrainerGroup`) and one embedded engine actor
 under the `EngineSupervisor`, with a Qwen3-shaped model (random init). Per repeat, interleaved:
 
-- object store (``sync.transport=object-store``, the default): rank 0 gathers, packs and ``ray.put``s the weights, the engine
-  reads and loads them -- against the cheapest raw hop: one actor ``ray.put``s the bytes as one flat numpy
-  array (one memcpy into the store), another ``ray.get``s it (zero-copy) and copies it into a
-  preallocated buffer. The real path also packs the tensors (one more memcpy) and pauses the engine.
+- object store (``sync.transport=object-store``, the default): rank 0 gathers and ``ray.put``s the weights
+  bucket by bucket, the engine loads each bucket while the next is put -- against the cheapest raw hop:
+  one actor ``ray.put``s the bytes as one flat numpy array (one memcpy into the store), another
+  ``ray.get``s it (zero-copy) and copies it into a preallocated buffer. The real path puts one array per
+  tensor (Ray's put starts 6 copy threads per array of 1 MiB or more, ~10 ms over 30 arrays) and pauses
+  the engine.
 - rank 0 broadcast (``sync.transport=distributed``, runtime/rank0_sync.py): rank 0 gathers
-  and broadcasts over gloo to the engine actor -- against raw gloo broadcasts of the same tensors from
-  one actor into preallocated buffers of another. Goal >= 0.8.
+  and broadcasts over gloo to the engine actor, the whole push in one call to it (transports/stream.py)
+  -- against raw gloo broadcasts of the same tensors from one actor into preallocated buffers of
+  another. Goal >= 0.8.
 
 A ratio is baseline time / path time (= path bandwidth / raw bandwidth). The first push of each path
 runs with the checksum check on (and must pass); timed pushes run without it.
 
-    python bench/weight_sync_ray.py            # ~20, ~50 and ~200 MiB of fp32 weights, 5 repeats each;
+    python bench/weight_sync_ray.py            # ~20, ~50 and ~200 MiB of fp32 weights, 9 repeats each;
                                                # the ratios are the ~200 MiB run's, the table shows the rest
     python bench/weight_sync_ray.py --quick    # ~20 MiB, 3 repeats
 """
@@ -181,7 +184,9 @@ def main() -> None:
     args = p.parse_args()
     # The goal's figures come from the last (largest) size; the smaller ones show how the cost grows.
     sizes = [(256, 6)] if args.quick else [(256, 6), (512, 4), (1024, 4)]
-    repeats = args.repeats or (3 if args.quick else 5)
+    # 9, not 5: a ray.put lands in store pages its process has not touched yet about half the time (4x slower,
+    # raw baseline and object-store path alike), and 5 pairs left the median ratio to that lottery.
+    repeats = args.repeats or (3 if args.quick else 9)
 
     from miles_agent.runtime.ray_cluster import loopback_only
 
