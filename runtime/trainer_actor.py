@@ -147,10 +147,11 @@ class TrainerActor:
             refs.append(ray.put(bucket))
             loads.append([e.sync_weights_part.remote(refs[-1], version, push, i, len(buckets)) for e in engines])
         try:
-            released = [any(ray.get(per_bucket[j]) for per_bucket in loads) for j in range(len(engines))]
+            done = ray.get([ref for per_bucket in loads for ref in per_bucket])  # every part of every engine
         except actor_failures() as e:  # not this rank's failure: the driver must not take it for one
             raise WeightSyncError(f"an engine died while loading the pushed weights ({type(e).__name__})") from None
-        return [refs, packed.nbytes, sum(released)]
+        released = sum(any(done[i * len(engines) + j] for i in range(len(buckets))) for j in range(len(engines)))
+        return [refs, packed.nbytes, released]
 
     def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
         """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)
