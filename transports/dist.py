@@ -27,7 +27,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from miles_agent.transports.base import EngineTransport
-from miles_agent.transports.core import WeightSyncError, bucket_metadata, buckets, dtype_name, flat_buckets, pack
+from miles_agent.transports.core import (
+    WeightSyncError,
+    bucket_metadata,
+    buckets,
+    dtype_name,
+    flat_buckets,
+    pack,
+)
 from miles_agent.transports.groups import (
     DEFAULT_GROUP,
     destroy_group,

@@ -43,3 +43,42 @@ def test_every_bucket_has_loaded_on_every_engine_when_a_push_returns(ray_session
     finally:
         asyncio.run(sup.shutdown())
         run.trainer.close()
+
+
+def test_an_engine_dead_before_the_push_is_replaced_and_the_push_goes_to_the_others(ray_session):
+    """An engine that died unnoticed (no health checks) fails its part loads inside the trainer actor: that
+    comes back as a weight-sync failure, not as the trainer rank's death, so the supervisor replaces the
+    engine and pushes to the survivor; the replacement then loads the pushed buckets before serving."""
+    from miles_agent.config import AlgoConfig, TrainConfig
+    from miles_agent.models.builder import build_tiny
+    from miles_agent.runtime.engine_actor import remote_engine_class
+    from miles_agent.runtime.launch import ObjectStoreTransport
+    from miles_agent.runtime.supervisor import EngineSupervisor
+    from miles_agent.runtime.trainer_actor import RayTrainerGroup
+
+    model, tok = build_tiny("tiny-qwen3", seed=0)
+    group = RayTrainerGroup(model, tok, TrainConfig(world_size=1), AlgoConfig(), temperature=1.0, device="cpu",
+                            options=lambda rank: {"num_cpus": 1})
+    cls = remote_engine_class()
+    model_ref, tok_ref = ray_session.put(model), ray_session.put(tok)
+    sup = EngineSupervisor(lambda i: cls.options(num_cpus=1).remote(model_ref, tok_ref, 8, "cpu"), 2,
+                           health_check_interval_s=0)
+    transport = ObjectStoreTransport(sup, group, bucket_bytes=1 << 20)
+    victim = sup._slots[1].actor
+    ray_session.kill(victim)
+
+    async def main():
+        stats = await transport.push(None, 5)
+        while not sup._slots[1].ready:  # the replacement starts and loads the refs the push left
+            await asyncio.sleep(0.2)
+        return stats, await asyncio.gather(*(s.actor.check_weights.remote() for s in sup._slots))
+
+    try:
+        stats, sums = asyncio.run(main())
+        assert stats["sync_engines"] == 1 and stats["engine_restarts"] == 1 and stats["sync_buckets"] > 2
+        assert sup._slots[1].actor is not victim and sums[0] == sums[1]
+        expected = {name: tensor_checksum(t) for name, t in group.named_weights()}
+        compare_checksums(expected, sums[1]["checksums"], engine="the replacement", version=5)
+    finally:
+        sup.kill()
+        group.close()
