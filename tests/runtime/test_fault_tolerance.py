@@ -37,6 +37,7 @@ class Chaos:
         self.rollouts_under_fire = run.cfg.run.steps - calm_steps
         self.rng = random.Random(seed)
         self.killed: list[int] = []
+        self.victims: list = []  # the actor handles killed
         self.requests = 0  # requests sent in this rollout
         self._fire_at: list[int] = []  # request numbers at which a kill fires, this rollout
         self._fire = asyncio.Queue()
@@ -66,9 +67,12 @@ class Chaos:
         for _ in range(kills):
             await self._fire.get()
             await asyncio.sleep(self.rng.uniform(0.0, 0.03))
-            while not (busy := [s for s in self.run.engine._slots if s.ready and s.inflight > 0]):
+            # not an actor already killed whose death the supervisor has not noticed yet (it is still "ready")
+            while not (busy := [s for s in self.run.engine._slots
+                                if s.ready and s.inflight > 0 and s.actor not in self.victims]):
                 await asyncio.sleep(0.002)
             victim = self.rng.choice(busy)
+            self.victims.append(victim.actor)
             self.ray.kill(victim.actor)
             self.killed.append(victim.index)
             self.left -= 1
