@@ -4,12 +4,14 @@ same bytes between two Ray actors, in the same run.
 The real stack: one FSDP2 trainer rank as a Ray actor (`RayTrainerGroup`) and one embedded engine actor
 under the `EngineSupervisor`, with a Qwen3-shaped model (random init). Per repeat, interleaved:
 
-- object store (``sync.transport=object-store``, the default): rank 0 gathers and ``ray.put``s the weights
-  bucket by bucket, the engine loads each bucket while the next is put -- against the cheapest raw hop:
-  one actor ``ray.put``s the bytes as one flat numpy array (one memcpy into the store), another
-  ``ray.get``s it (zero-copy) and copies it into a preallocated buffer. The real path puts one array per
-  tensor (Ray's put starts 6 copy threads per array of 1 MiB or more, ~10 ms over 30 arrays) and pauses
-  the engine.
+- object store (``sync.transport=object-store``, the default): rank 0 writes the weights bucket by bucket
+  into shared memory it keeps from push to push (the engine is on its node; runtime/store_push.py), the
+  engine loads each bucket while the next is written -- against the two cheapest raw hops, each run every
+  repeat: (a) one actor ``ray.put``s the bytes as one flat numpy array (one memcpy into the store), another
+  ``ray.get``s it (zero-copy) and copies it into a preallocated buffer; (b) one actor copies the bytes into
+  a shared-memory file both keep mapped, the other copies them out. The goal is judged against the faster
+  of the two in each repeat. ``--ray-put`` times the ``ray.put`` carrier instead (``sync.shared_memory=false``:
+  one array per tensor, Ray's put starting 6 copy threads per array of 1 MiB or more).
 - rank 0 broadcast (``sync.transport=distributed``, runtime/rank0_sync.py): rank 0 gathers
   and broadcasts over gloo to the engine actor, the whole push in one call to it (transports/stream.py)
   -- against raw gloo broadcasts of the same tensors from one actor into preallocated buffers of
@@ -21,6 +23,7 @@ runs with the checksum check on (and must pass); timed pushes run without it.
     python bench/weight_sync_ray.py            # ~20, ~50 and ~200 MiB of fp32 weights, 9 repeats each;
                                                # the ratios are the ~200 MiB run's, the table shows the rest
     python bench/weight_sync_ray.py --quick    # ~20 MiB, 3 repeats
+    python bench/weight_sync_ray.py --ray-put  # the object store path without shared memory
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import time
 import torch
 
 GOAL = 0.8
+OBJECT_STORE = "object store / fastest raw hop"  # the goals' two ratios
+RANK0 = "rank 0 broadcast / raw gloo"
 
 
 class RawPeer:
@@ -45,6 +50,25 @@ class RawPeer:
         self.bufs = [torch.randn(s) for s in shapes]
         self.flat = torch.cat([b.reshape(-1) for b in self.bufs]).view(torch.uint8)  # the same bytes, flat
         self.group = None
+        self.segment = None
+
+    def make_segment(self) -> str:
+        from miles_agent.transports.shm import SharedSegment
+
+        self.owned = SharedSegment(self.flat.numel())
+        self.segment = self.owned.tensor
+        return self.owned.path
+
+    def attach(self, path: str) -> None:
+        from miles_agent.transports.shm import attach_segment
+
+        self.segment = attach_segment(path, self.flat.numel())
+
+    def write_segment(self) -> None:  # one plain copy in ...
+        self.segment.copy_(self.flat)
+
+    def read_segment(self) -> None:  # ... and one out, into the preallocated buffers
+        self.flat.copy_(self.segment)
 
     def port(self) -> int:
         from miles_agent.transports.groups import free_port
@@ -88,7 +112,7 @@ def build_model(hidden: int, layers: int):  # noqa: ANN201
     return Qwen3ForCausalLM(cfg), tok
 
 
-def measure(hidden: int, layers: int, repeats: int) -> tuple[int, int, dict, dict]:
+def measure(hidden: int, layers: int, repeats: int, shared_memory: bool = True) -> tuple[int, int, dict, dict]:
     """One model size on a running Ray: (bytes, tensors, ratios per path, (raw, ours) seconds per path)."""
     import ray
 
@@ -109,15 +133,20 @@ def measure(hidden: int, layers: int, repeats: int) -> tuple[int, int, dict, dic
     sup = EngineSupervisor(lambda i: cls.options(num_cpus=1).remote(model_ref, tok_ref, 8, "cpu"), 1,
                            health_check_interval_s=0)
     options = dict(backend="gloo", master_address="127.0.0.1", bucket_bytes=64 << 20, check=False)
-    object_store = ObjectStoreTransport(sup, group)
+    object_store = ObjectStoreTransport(sup, group, shared_memory=shared_memory)
     rank0 = RankZeroTransport(group, sup, options)
     checked = RankZeroTransport(group, sup, {**options, "check": True})
     peers = [ray.remote(num_cpus=1)(RawPeer).remote(shapes) for _ in range(2)]
     port = ray.get(peers[0].port.remote())
     ray.get([peers[0].join.remote(port, 0), peers[1].join.remote(port, 1)])
+    ray.get(peers[1].attach.remote(ray.get(peers[0].make_segment.remote())))
 
     def raw_object_store() -> None:
         ray.get(peers[1].get_all.remote(ray.get(peers[0].put_all.remote())))
+
+    def raw_shared_memory() -> None:
+        ray.get(peers[0].write_segment.remote())
+        ray.get(peers[1].read_segment.remote())
 
     def raw_gloo() -> None:
         ray.get([peers[0].broadcast_all.remote(), peers[1].broadcast_all.remote()])
@@ -149,15 +178,23 @@ def measure(hidden: int, layers: int, repeats: int) -> tuple[int, int, dict, dic
         await push(object_store)  # warm every path: the timed rank-0 pushes use other options than the
         await push(rank0)  # checked one, so the first of them would otherwise re-form the group
         raw_object_store()
+        raw_shared_memory()
         raw_gloo()
-        ratios: dict[str, list[float]] = {"object store / raw ray.put+get": [], "rank 0 broadcast / raw gloo": []}
+        ratios: dict[str, list[float]] = {}
+
+        def record(label: str, base: float, ours: float) -> None:
+            ratios.setdefault(label, []).append(base / ours)
+            seconds.setdefault(label, []).append((base, ours))
+
         for _ in range(repeats):
-            for label, raw, transport in (("object store / raw ray.put+get", raw_object_store, object_store),
-                                          ("rank 0 broadcast / raw gloo", raw_gloo, rank0)):
-                base, ours = timed(raw), await push(transport)
-                ratios[label].append(base / ours)
-                seconds.setdefault(label, []).append((base, ours))
-                phases.setdefault(label, []).append({**push.last, "driver_s": ours})
+            put, shm, ours = timed(raw_object_store), timed(raw_shared_memory), await push(object_store)
+            record(OBJECT_STORE, min(put, shm), ours)
+            record("object store / raw ray.put+get", put, ours)
+            record("object store / raw shared memory", shm, ours)
+            phases.setdefault("object store", []).append({**push.last, "driver_s": ours})
+            base, ours = timed(raw_gloo), await push(rank0)
+            record(RANK0, base, ours)
+            phases.setdefault("rank 0 broadcast", []).append({**push.last, "driver_s": ours})
         return ratios
 
     try:
@@ -181,6 +218,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--ray-put", action="store_true", help="object store path with sync.shared_memory=false")
     args = p.parse_args()
     # The goal's figures come from the last (largest) size; the smaller ones show how the cost grows.
     sizes = [(256, 6)] if args.quick else [(256, 6), (512, 4), (1024, 4)]
@@ -196,19 +234,22 @@ def main() -> None:
 
     ray.init(address="local", include_dashboard=False, num_cpus=8, log_to_driver=False)
     try:
-        runs = [measure(hidden, layers, repeats) for hidden, layers in sizes]
+        runs = [measure(hidden, layers, repeats, shared_memory=not args.ray_put) for hidden, layers in sizes]
     finally:
         ray.shutdown()
-    print("cost vs bytes (median ms per push, raw / ours):")
+    print("cost vs bytes (median ms per push):")
     for nbytes, _, _, seconds, _ in runs:
-        cells = [f"{label.split(' /')[0]} {statistics.median(r for r, _ in s) * 1e3:6.1f} / "
-                 f"{statistics.median(o for _, o in s) * 1e3:6.1f}" for label, s in seconds.items()]
-        print(f"  {nbytes / 2**20:6.0f} MiB   " + "   ".join(cells))
+        def ms(label: str, side: int, seconds: dict = seconds) -> str:
+            return f"{statistics.median(x[side] for x in seconds[label]) * 1e3:6.1f}"
+
+        print(f"  {nbytes / 2**20:6.0f} MiB   object store {ms(OBJECT_STORE, 1)} (raw put+get "
+              f"{ms('object store / raw ray.put+get', 0)}, raw shared memory {ms('object store / raw shared memory', 0)})"
+              f"   rank 0 broadcast {ms(RANK0, 1)} (raw gloo {ms(RANK0, 0)})")
     nbytes, tensors, ratios, seconds, phases = runs[-1]
     print(f"where a {nbytes / 2**20:.0f} MiB push spends its time (median ms): the driver's wait; inside it the "
           "sender's push: pause, send (of which broadcasting), continue")
     for label, runs_stats in phases.items():
-        print(f"  {label.split(' /')[0]:18s} driver {_ms(runs_stats, 'driver_s')}  push "
+        print(f"  {label:18s} driver {_ms(runs_stats, 'driver_s')}  push "
               f"{_ms(runs_stats, 'sync_seconds')}  pause {_ms(runs_stats, 'sync_pause_s')}  send "
               f"{_ms(runs_stats, 'sync_send_s')} ({_ms(runs_stats, 'sync_broadcast_s')})  continue "
               f"{_ms(runs_stats, 'sync_continue_s')}")
@@ -221,7 +262,7 @@ def main() -> None:
         raw_s, ours_s = (statistics.median(x) for x in zip(*seconds[label]))
         print(f"{label}: median {s['median']:.2f}  (min {s['min']:.2f}, max {s['max']:.2f}; "
               f"{raw_s * 1e3:.0f} ms raw vs {ours_s * 1e3:.0f} ms)"
-              + (f"  goal >= {GOAL}" if "gloo" in label else ""))
+              + (f"  goal >= {GOAL}" if label in (OBJECT_STORE, RANK0) else ""))
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

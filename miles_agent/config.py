@@ -207,6 +207,9 @@ class SyncConfig:
     # cluster.mode=ray object-store. auto = inprocess in one process, object-store with Ray engine actors.
     transport: str = "auto"
     bucket_mb: int = 64  # extra memory a sync needs is about one bucket on each side
+    # object-store: engines on trainer rank 0's node take the bytes from shared memory that rank 0 keeps
+    # (the model's size in /dev/shm) instead of a ray.put per push; false: ray.put always
+    shared_memory: bool = True
     check: bool = False  # after every sync, compare per-tensor checksums of trainer and engines
     backend: str = "auto"  # distributed: gloo | nccl | auto (nccl on cuda, else gloo)
     master_address: str = "127.0.0.1"  # distributed: where the engines meet trainer rank 0

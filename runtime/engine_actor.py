@@ -48,10 +48,14 @@ class EngineActor:
         await self.engine.resume()
 
     async def update_weights(self, weights: Any, version: int) -> int:
-        """``weights``: `PackedWeights` (what the supervisor sends) or a list of (name, tensor)."""
+        """``weights``: `PackedWeights` or `SharedWeights` (what the trainer and the supervisor send) or a list
+        of (name, tensor)."""
         from miles_agent.runtime.packed_weights import named_tensors
+        from miles_agent.runtime.shared_weights import SharedWeights
 
         await self.engine.update_weights(named_tensors(weights), version)
+        if isinstance(weights, SharedWeights):
+            weights.check()  # the trainer did not start overwriting them while they were copied
         return self.engine.weight_version
 
     async def sync_weights(self, weights: Any, version: int) -> bool:
@@ -65,16 +69,16 @@ class EngineActor:
         return was_released
 
     async def sync_weights_part(self, weights: Any, version: int, push: str, part: int, parts: int) -> bool:
-        """Bucket ``part`` of the ``parts`` of one push (id ``push``) that the trainer puts in the object store
-        one at a time (`TrainerActor.put_to_engines`). Ray may start these calls in any order: the first to
-        come resumes the memory and pauses in place, the others wait for that; each loads its bucket; the one
-        that completes the set resumes generation. Returns whether the memory had been released (only the
-        call that paused can say). A failed load leaves the engine paused, as `sync_weights` does."""
-        state = self._parts
-        first = state is None or state["push"] != push
+        """Bucket ``part`` of one push (id ``push``) that the trainer sends one bucket at a time
+        (runtime/store_push.py). ``parts``: how many the push has, or 0 when the trainer tells it later
+        (`sync_weights_done`). Ray may start these calls in any order: the first to come resumes the memory
+        and pauses in place, the others wait for that; each loads its bucket; once all have loaded,
+        generation resumes. Returns whether the memory had been released (only the call that paused can say).
+        A failed load leaves the engine paused, as `sync_weights` does."""
+        state = self._push_state(push)
+        first = state["ready"] is None
         if first:
-            ready = asyncio.get_running_loop().create_future()
-            state = self._parts = {"push": push, "ready": ready, "loaded": 0}
+            ready = state["ready"] = asyncio.get_running_loop().create_future()
             try:
                 state["released"] = await self.resume_memory()
                 await self.pause(PauseMode.IN_PLACE)
@@ -87,10 +91,24 @@ class EngineActor:
             await asyncio.shield(state["ready"])
         await self.update_weights(weights, version)
         state["loaded"] += 1
-        if state["loaded"] == parts:
+        await self._finish_push(state, parts)
+        return first and state["released"]
+
+    async def sync_weights_done(self, push: str, parts: int) -> None:
+        """The push ``push`` has ``parts`` buckets: generation resumes once they have all loaded (now, if they
+        have)."""
+        await self._finish_push(self._push_state(push), parts)
+
+    def _push_state(self, push: str) -> dict[str, Any]:
+        if self._parts is None or self._parts["push"] != push:  # a new push (a retried one has a new id)
+            self._parts = {"push": push, "ready": None, "loaded": 0, "parts": 0, "released": False}
+        return self._parts
+
+    async def _finish_push(self, state: dict[str, Any], parts: int) -> None:
+        state["parts"] = parts or state["parts"]
+        if state["parts"] and state["loaded"] == state["parts"] and self._parts is state:
             self._parts = None
             await self.resume()
-        return first and state["released"]
 
     # -- SGLang's weight-update calls, so trainer rank 0 can broadcast to this engine (runtime/rank0_sync.py)
     async def pause_generation(self, mode: str = "in_place") -> None:
@@ -179,6 +197,12 @@ class EngineActor:
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()
+
+    def node_id(self) -> str:
+        """The Ray node this engine runs on (whether it can map trainer rank 0's shared memory)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def where(self) -> dict[str, Any]:
         from miles_agent.runtime.ray_cluster import where_am_i

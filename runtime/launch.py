@@ -44,16 +44,18 @@ class ObjectStoreTransport:
     references for engines that restart and never reads the bytes (its lazy ``named_weights`` is never
     read). Otherwise the driver packs what it is given and puts it once."""
 
-    def __init__(self, engines: Any, trainer: Any = None, bucket_bytes: int = 64 << 20) -> None:
+    def __init__(self, engines: Any, trainer: Any = None, bucket_bytes: int = 64 << 20, shared_memory: bool = True
+                 ) -> None:
         self.engines, self.trainer, self.bucket_bytes = engines, trainer, bucket_bytes
+        self.shared_memory = shared_memory  # engines on rank 0's node get the bytes through shared memory
 
     async def push(self, named_tensors: Any, version: int) -> dict[str, float]:
         if hasattr(self.trainer, "put_to_engines"):
             async def send(actors: list[Any]) -> tuple[dict[str, float], list[Any]]:
-                refs, nbytes, released = await asyncio.to_thread(self.trainer.put_to_engines, actors, int(version),
-                                                                 self.bucket_bytes)
-                return {"sync_bytes": float(nbytes), "sync_buckets": float(len(refs)),
-                        "engine_memory_resumed": float(released)}, refs
+                handles, nbytes, released, shared = await asyncio.to_thread(
+                    self.trainer.put_to_engines, actors, int(version), self.bucket_bytes, self.shared_memory)
+                return {"sync_bytes": float(nbytes), "sync_buckets": float(len(handles)),
+                        "sync_shared_buckets": float(shared), "engine_memory_resumed": float(released)}, handles
 
             return await self.engines.push_with(send, version)
         return await self.engines.push_weights(named_tensors, version)
@@ -162,7 +164,8 @@ class RayCluster:
         """object-store (``auto``): through Ray's object store, via the driver. distributed: trainer rank 0
         broadcasts to the engine actors itself (runtime/rank0_sync.py)."""
         if _check_actor_transport(self.cfg) == "object-store":
-            return ObjectStoreTransport(engines[0], trainer, bucket_bytes=self.cfg.sync.bucket_mb << 20)
+            return ObjectStoreTransport(engines[0], trainer, bucket_bytes=self.cfg.sync.bucket_mb << 20,
+                                        shared_memory=self.cfg.sync.shared_memory)
         from miles_agent.runtime.rank0_sync import RankZeroTransport
 
         return RankZeroTransport(trainer, engines[0], self.rank0_options())

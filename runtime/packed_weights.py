@@ -92,5 +92,7 @@ def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], staging: lis
 
 
 def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
-    """Tensors from `PackedWeights` or a plain list of (name, tensor)."""
-    return weights.tensors() if isinstance(weights, PackedWeights) else list(weights)
+    """Tensors from `PackedWeights`, `SharedWeights` (runtime/shared_weights.py) or a list of (name, tensor)."""
+    from miles_agent.runtime.shared_weights import SharedWeights
+
+    return weights.tensors() if isinstance(weights, PackedWeights | SharedWeights) else list(weights)

@@ -55,6 +55,7 @@ class TrainerActor:
         self.broadcaster: Any = None  # weight sync from rank 0 (sync.transport=distributed), made on first use
         self.broadcaster_options: dict[str, Any] = {}
         self.staging: list[Any] = []  # host buffers reused by every pack of the full weights
+        self.store_sender: Any = None  # rank 0's object-store pushes (runtime/store_push.py), made on first use
         self.pushed_version: int | None = None  # the weights are still this broadcast version (None: changed)
         self.reloaded: dict[str, float] | None = None  # a logprob pass's reload, reported by the next train step
         self.micro_batches = (0, 0)  # this step's (done, total), as the trainer reported it
@@ -120,38 +121,26 @@ class TrainerActor:
         with self._gathering() as rank0:
             return pack_weights(self.trainer.named_weights(), self.staging) if rank0 else None
 
-    def put_to_engines(self, engines: list[Any], version: int, bucket_bytes: int) -> Any:
-        """A collective: every rank gathers; rank 0 puts the weights in the object store bucket by bucket
-        (``bucket_bytes``) and has every engine actor load each bucket as soon as it is stored, so the engines
-        load one bucket while the next is put (one ``ray.put`` of everything, then the loads, left the
-        engines idle during the put and the store's writer idle during the loads). Rank 0 returns
-        ``[refs, bytes, engines whose memory had been released]`` (the refs nested, so the driver keeps them
-        for restarted engines without fetching the bytes), the others None. An engine that dies fails the
-        call (the supervisor replaces it and pushes again)."""
-        import uuid
+    def put_to_engines(self, engines: list[Any], version: int, bucket_bytes: int, shared_memory: bool = True) -> Any:
+        """A collective: every rank gathers; rank 0 sends the weights to every engine actor bucket by bucket
+        (``bucket_bytes``), through shared memory when they are all on its node (``shared_memory``), else
+        through ``ray.put``, and each engine loads a bucket as soon as it is there, while the next is written
+        (runtime/store_push.py). Rank 0 returns ``[handles, bytes, engines whose memory had been released,
+        buckets through shared memory]`` (the driver keeps the handles for engines that restart and never
+        reads the bytes), the others None. An engine that dies fails the call with `WeightSyncError` (the
+        supervisor replaces it and pushes again)."""
+        from miles_agent.runtime.store_push import StorePush, StoreSender
 
-        import ray
-
-        from miles_agent.runtime.packed_weights import pack_weights
-        from miles_agent.runtime.supervisor import actor_failures
-        from miles_agent.transports.core import WeightSyncError
-
+        if self.trainer.rank == 0 and self.store_sender is None:
+            self.store_sender = StoreSender()
+        shared = bool(shared_memory and self.trainer.rank == 0 and self.store_sender.shared_memory_reaches(engines))
         with self._gathering() as rank0:
             if not rank0:
                 return None
-            packed = pack_weights(self.trainer.named_weights(), self.staging)
-        buckets = packed.split(bucket_bytes)
-        push = uuid.uuid4().hex  # a retried push of the same version counts its buckets afresh
-        refs, loads = [], []
-        for i, bucket in enumerate(buckets):
-            refs.append(ray.put(bucket))
-            loads.append([e.sync_weights_part.remote(refs[-1], version, push, i, len(buckets)) for e in engines])
-        try:
-            done = ray.get([ref for per_bucket in loads for ref in per_bucket])  # every part of every engine
-        except actor_failures() as e:  # not this rank's failure: the driver must not take it for one
-            raise WeightSyncError(f"an engine died while loading the pushed weights ({type(e).__name__})") from None
-        released = sum(any(done[i * len(engines) + j] for i in range(len(buckets))) for j in range(len(engines)))
-        return [refs, packed.nbytes, released]
+            push = StorePush(self.store_sender, engines, version, bucket_bytes)
+            # Colocated engines take the device back only after the gather gives it up: they load after it.
+            push.write(self.trainer.named_weights(), shared=shared, dispatch=not self.offload, staging=self.staging)
+        return push.finish()
 
     def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
         """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)
@@ -236,6 +225,8 @@ class TrainerActor:
         return list(self.events)
 
     def close(self) -> None:
+        if self.store_sender is not None:
+            self.store_sender.close()
         if self.trainer is not None and hasattr(self.trainer, "close"):
             self.trainer.close()
 
@@ -338,12 +329,15 @@ class RayTrainerGroup:
 
         yield from named_tensors(self._on_ranks("full_weights")[0])
 
-    def put_to_engines(self, engine_actors: list[Any], version: int, bucket_bytes: int) -> tuple[list[Any], int, int]:
-        """Rank 0 puts the weights in the object store bucket by bucket and has ``engine_actors`` load each as
-        it is stored: (refs of the buckets, bytes, engines whose memory had been released). The driver never
-        fetches them; it keeps the refs for engines that restart."""
-        refs, nbytes, released = self._on_ranks("put_to_engines", engine_actors, version, bucket_bytes)[0]
-        return refs, nbytes, released
+    def put_to_engines(self, engine_actors: list[Any], version: int, bucket_bytes: int, shared_memory: bool = True
+                       ) -> tuple[list[Any], int, int, int]:
+        """Rank 0 sends the weights to ``engine_actors`` bucket by bucket, each loaded as it arrives (see
+        `TrainerActor.put_to_engines`): (handles of the buckets, bytes, engines whose memory had been released,
+        buckets that went through shared memory). The driver never reads the bytes; it keeps the handles
+        for engines that restart."""
+        handles, nbytes, released, shared = self._on_ranks("put_to_engines", engine_actors, version, bucket_bytes,
+                                                           shared_memory)[0]
+        return handles, nbytes, released, shared
 
     def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
                           ) -> dict[str, float]:

@@ -26,7 +26,6 @@ import os
 import pickle
 import tempfile
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,12 @@ from miles_agent.transports.receiver import WeightReceiver
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+
+class SegmentUnavailable(OSError):
+    """The shared-memory file could not be reserved (tmpfs full or too small)."""
+
+    unwritten: Any = None  # what a writer was about to put there (runtime/shared_weights.py)
 
 
 class SharedSegment:
@@ -50,7 +55,15 @@ class SharedSegment:
 
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, self.path = tempfile.mkstemp(prefix="miles-weights-", dir=folder)
-        os.close(fd)
+        try:  # reserve the pages now: a sparse file on a full tmpfs would kill the writer with SIGBUS later
+            os.posix_fallocate(fd, 0, max(1, nbytes))
+        except OSError as e:
+            _unlink(self.path)
+            raise SegmentUnavailable(f"cannot reserve {nbytes / 2**20:.0f} MiB of shared memory in "
+                                     f"{folder or tempfile.gettempdir()} ({e.strerror}): give the machine (or "
+                                     "container: --shm-size) more shared memory, or lower sync.bucket_mb") from e
+        finally:
+            os.close(fd)
         self.tensor = torch.from_file(self.path, shared=True, size=max(1, nbytes), dtype=torch.uint8)
         self._finalizer = weakref.finalize(self, _unlink, self.path)
 
@@ -77,20 +90,20 @@ class SegmentHandle:
         return attach_segment, (self.path, self.nbytes)
 
 
-_ATTACHED: OrderedDict[str, torch.Tensor] = OrderedDict()  # engine side: segment path -> mapped tensor
-_MAX_ATTACHED = 4  # a trainer that re-creates its staging leaves old mappings; keep the newest few
+_ATTACHED: dict[str, torch.Tensor] = {}  # engine side: segment path -> mapped tensor
 
 
 def attach_segment(path: str, nbytes: int) -> torch.Tensor:
-    """The first ``nbytes`` of a trainer's segment as a uint8 tensor (zero-copy; the mapping is cached)."""
+    """The first ``nbytes`` of a trainer's segment as a uint8 tensor (zero-copy). The mapping is kept while
+    the file exists: mapping again would fault every page in anew on each push. A trainer deletes the
+    segments it replaces or closes, so mappings of deleted files are dropped when a new one is made."""
     import torch
 
     if path not in _ATTACHED:
+        for old in [p for p in _ATTACHED if not os.path.exists(p)]:
+            del _ATTACHED[old]
         size = os.path.getsize(path)
         _ATTACHED[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        while len(_ATTACHED) > _MAX_ATTACHED:
-            _ATTACHED.popitem(last=False)
-    _ATTACHED.move_to_end(path)
     return _ATTACHED[path][:nbytes]
 
 

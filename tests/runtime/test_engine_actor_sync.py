@@ -115,3 +115,31 @@ def test_a_retried_push_counts_its_parts_afresh_and_a_failed_part_leaves_the_eng
 
     asyncio.run(main())
     assert actor.engine.weight_version == 4
+
+
+@pytest.mark.parametrize("done_first", [False, True], ids=["count-after-parts", "count-before-parts"])
+def test_a_push_whose_count_comes_later_resumes_only_when_every_part_has_loaded(tiny, done_first):
+    """The trainer sends shared-memory parts with ``parts=0`` as it writes them and the count at the end
+    (`sync_weights_done`); Ray may deliver the count before or after the parts."""
+    model, tok = tiny
+    actor = EngineActor(copy.deepcopy(model), tok, 4, "cpu")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    parts = pack_weights(other.state_dict().items()).split(64 << 10)
+
+    async def main():
+        if done_first:
+            await actor.sync_weights_done("push-c", len(parts))
+            assert not actor.engine._paused  # nothing has loaded: nothing paused, nothing resumed
+        for i, part in enumerate(parts):
+            await actor.sync_weights_part(part, 3, "push-c", i, 0)
+            assert actor.engine._paused == (not done_first or i < len(parts) - 1)
+        if not done_first:
+            await actor.sync_weights_done("push-c", len(parts))
+
+    asyncio.run(main())
+    assert not actor.engine._paused and actor.engine.weight_version == 3 and actor._parts is None
+    for name, t in other.state_dict().items():
+        assert torch.equal(actor.engine.model.state_dict()[name], t), name

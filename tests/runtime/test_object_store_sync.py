@@ -1,10 +1,13 @@
-"""The default Ray weight path (sync.transport=object-store): trainer rank 0 puts the weights in the object
-store bucket by bucket and every engine actor loads each bucket while the next is put. When a push returns,
-every engine holds exactly the trainer's weights at that version and generates again (unpaused)."""
+"""The default Ray weight path (sync.transport=object-store): trainer rank 0 sends the weights bucket by bucket
+-- through shared memory to engines on its node, else through ray.put -- and every engine actor loads each
+bucket while the next is written. When a push returns, every engine holds exactly the trainer's weights at
+that version and generates again (unpaused)."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from miles_agent.config import load_config
 from miles_agent.loop import Run
@@ -39,16 +42,19 @@ def test_every_bucket_has_loaded_on_every_engine_when_a_push_returns(ray_session
         assert len(records) == 1 and len(pushed) == 1
         for version, p in enumerate(pushed, start=1):
             assert p["sync_buckets"] > 2 and p["sync_engines"] == 2  # several 1 MiB buckets, both engines
+            assert p["sync_shared_buckets"] == p["sync_buckets"]  # all on this node: all through shared memory
             assert [(q["weight_version"], q["paused"]) for q in p["probes"]] == [(version, False)] * 2
     finally:
         asyncio.run(sup.shutdown())
         run.trainer.close()
 
 
-def test_an_engine_dead_before_the_push_is_replaced_and_the_push_goes_to_the_others(ray_session):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "ray-put"])
+def test_an_engine_dead_before_the_push_is_replaced_and_the_push_goes_to_the_others(ray_session, shared_memory):
     """An engine that died unnoticed (no health checks) fails its part loads inside the trainer actor: that
     comes back as a weight-sync failure, not as the trainer rank's death, so the supervisor replaces the
-    engine and pushes to the survivor; the replacement then loads the pushed buckets before serving."""
+    engine and pushes to the survivor; the replacement then loads the pushed buckets before serving (from
+    rank 0's shared memory, or from the object store)."""
     from miles_agent.config import AlgoConfig, TrainConfig
     from miles_agent.models.builder import build_tiny
     from miles_agent.runtime.engine_actor import remote_engine_class
@@ -63,7 +69,7 @@ def test_an_engine_dead_before_the_push_is_replaced_and_the_push_goes_to_the_oth
     model_ref, tok_ref = ray_session.put(model), ray_session.put(tok)
     sup = EngineSupervisor(lambda i: cls.options(num_cpus=1).remote(model_ref, tok_ref, 8, "cpu"), 2,
                            health_check_interval_s=0)
-    transport = ObjectStoreTransport(sup, group, bucket_bytes=1 << 20)
+    transport = ObjectStoreTransport(sup, group, bucket_bytes=1 << 20, shared_memory=shared_memory)
     victim = sup._slots[1].actor
     ray_session.kill(victim)
 
@@ -76,6 +82,7 @@ def test_an_engine_dead_before_the_push_is_replaced_and_the_push_goes_to_the_oth
     try:
         stats, sums = asyncio.run(main())
         assert stats["sync_engines"] == 1 and stats["engine_restarts"] == 1 and stats["sync_buckets"] > 2
+        assert stats["sync_shared_buckets"] == (stats["sync_buckets"] if shared_memory else 0)
         assert sup._slots[1].actor is not victim and sums[0] == sums[1]
         expected = {name: tensor_checksum(t) for name, t in group.named_weights()}
         compare_checksums(expected, sums[1]["checksums"], engine="the replacement", version=5)

@@ -1,0 +1,148 @@
+"""Trainer rank 0's side of an object-store push (``sync.transport=object-store``): the weights go to every
+engine actor bucket by bucket, and each engine loads a bucket while rank 0 prepares the next.
+
+Two carriers, one protocol (`EngineActor.sync_weights_part`):
+
+- engines on rank 0's node (and shared memory to spare): the bytes go into shared-memory segments that rank 0
+  keeps from push to push, and a handle crosses Ray (runtime/shared_weights.py);
+- otherwise (an engine on another node, ``sync.shared_memory=false``, or no room in /dev/shm): ``ray.put`` of
+  each bucket, which Ray moves between nodes.
+
+A push that runs out of shared memory part way sends the rest through ``ray.put``: the gather is a
+collective, so rank 0 cannot start it again; later pushes then use ``ray.put`` only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from miles_agent.runtime.shared_weights import SharedWeights, SharedWeightsWriter
+
+log = logging.getLogger(__name__)
+
+
+class StoreSender:
+    """What rank 0 keeps between pushes: the shared-memory segments and each engine actor's node."""
+
+    def __init__(self, shm_dir: str = "/dev/shm") -> None:
+        self.shm_dir = shm_dir
+        self.writer = SharedWeightsWriter()
+        self.engine_nodes: dict[str, str] = {}  # actor id -> node id
+        self.unavailable: str | None = None  # why shared memory is off for good (logged once)
+
+    def shared_memory_reaches(self, engines: list[Any]) -> bool:
+        """Whether every engine can map rank 0's segments: all on this node, and room for them."""
+        import ray
+
+        if self.unavailable is not None:
+            return False
+        if not self.writer.segments:  # first push: a tmpfs smaller than one segment (Docker's 64 MiB) is no use
+            try:
+                free = os.statvfs(self.shm_dir)
+                room = free.f_bavail * free.f_frsize
+            except OSError:
+                room = 0
+            if room < self.writer.min_segment_bytes:
+                self.turn_off(f"{self.shm_dir} has {room >> 20} MiB free, less than one "
+                          f"{self.writer.min_segment_bytes >> 20} MiB segment")
+                return False
+        try:
+            nodes = self._nodes(engines)
+        except Exception:  # noqa: BLE001 - a dead engine: the ray.put path's loads report it as such
+            return False
+        return all(node == ray.get_runtime_context().get_node_id() for node in nodes)
+
+    def _nodes(self, engines: list[Any]) -> list[str]:
+        import ray
+
+        ids = [e._actor_id.hex() for e in engines]
+        unknown = [(i, e) for i, e in zip(ids, engines) if i not in self.engine_nodes]
+        if unknown:
+            for (i, _), node in zip(unknown, ray.get([e.node_id.remote() for _, e in unknown])):
+                self.engine_nodes[i] = node
+        return [self.engine_nodes[i] for i in ids]
+
+    def turn_off(self, reason: str) -> None:
+        self.unavailable = reason
+        log.warning("object-store weight sync: shared memory off (%s); pushing through ray.put instead. "
+                    "Give the machine more shared memory (a container: --shm-size) to go faster, or set "
+                    "sync.shared_memory=false to silence this", reason)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class StorePush:
+    """One push: ``write`` during the gather, ``finish`` after it (the trainer's device may be given back to
+    colocated engines in between)."""
+
+    def __init__(self, sender: StoreSender, engines: list[Any], version: int, bucket_bytes: int) -> None:
+        self.sender, self.engines, self.version, self.bucket_bytes = sender, engines, version, bucket_bytes
+        self.id = uuid.uuid4().hex  # a retried push of the same version counts its buckets afresh
+        self.handles: list[Any] = []  # SharedWeights, then ObjectRefs of what went through ray.put
+        self.loads: list[list[Any]] = []  # per dispatched bucket: one sync_weights_part call per engine
+        self.packed: Any = None  # what is left for ray.put (`PackedWeights`)
+        self.nbytes = 0
+
+    def write(self, named_tensors: Iterable[tuple[str, Any]], shared: bool, dispatch: bool, staging: list[Any]) -> None:
+        """Rank 0 reads the gathered weights (all of them: the gather is a collective). ``shared``: into the
+        segments, each bucket sent on (``dispatch``) as soon as it is in place; the rest, or everything,
+        packed for ``ray.put`` in `finish`. Not ``dispatch``: colocated engines must wait for the device."""
+        from miles_agent.runtime.packed_weights import pack_weights
+        from miles_agent.transports.shm import SegmentUnavailable
+
+        rest: Iterable[tuple[str, Any]] = named_tensors
+        if shared:
+            tensors = iter(named_tensors)
+            try:
+                for handle in self.sender.writer.write(tensors, self.bucket_bytes):
+                    self._add(handle, dispatch)
+                rest = ()
+            except SegmentUnavailable as e:
+                self.sender.turn_off(str(e))
+                rest = itertools.chain([e.unwritten], tensors) if e.unwritten is not None else tensors
+        self.packed = pack_weights(rest, staging)
+
+    def finish(self) -> list[Any]:
+        """Send what is left, wait until every engine has loaded every bucket: ``[handles, bytes, engines whose
+        memory had been released, buckets through shared memory]``. An engine that dies fails the push with
+        `WeightSyncError` (the supervisor replaces it and pushes again)."""
+        import ray
+
+        from miles_agent.runtime.supervisor import actor_failures
+        from miles_agent.transports.core import WeightSyncError
+
+        shared = len(self.handles)
+        for handle in self.handles[len(self.loads):]:  # written but held back (colocation)
+            self._dispatch(handle)
+        if self.packed is not None and self.packed.parts:
+            for bucket in self.packed.split(self.bucket_bytes):
+                ref = ray.put(bucket)
+                self.handles.append(ref)
+                self.nbytes += bucket.nbytes
+                self._dispatch(ref)
+        total = len(self.handles)  # now known: the engines resume once they have loaded this many
+        calls = [ref for per_bucket in self.loads for ref in per_bucket]
+        calls += [e.sync_weights_done.remote(self.id, total) for e in self.engines]
+        try:
+            done = ray.get(calls)
+        except actor_failures() as e:  # not this rank's failure: the driver must not take it for one
+            raise WeightSyncError(f"an engine died while loading the pushed weights ({type(e).__name__})") from None
+        n = len(self.engines)
+        released = sum(any(done[i * n + j] for i in range(len(self.loads))) for j in range(n))
+        return [self.handles, self.nbytes, released, shared]
+
+    def _add(self, handle: SharedWeights, dispatch: bool) -> None:
+        self.handles.append(handle)
+        self.nbytes += handle.nbytes
+        if dispatch:
+            self._dispatch(handle)
+
+    def _dispatch(self, handle: Any) -> None:
+        part = len(self.loads)
+        self.loads.append([e.sync_weights_part.remote(handle, self.version, self.id, part, 0) for e in self.engines])

@@ -1,0 +1,114 @@
+"""Trainer rank 0's shared-memory segments for object-store pushes to engines on its node
+(runtime/shared_weights.py, runtime/store_push.py), without Ray: what another process reads through a
+handle is exactly what was written, byte for byte and dtype for dtype; segments are reused from push to
+push; a handle from an earlier push refuses to load; and running out of shared memory part way sends the
+rest through ``ray.put`` without losing or repeating a tensor."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import pickle
+
+import pytest
+import torch
+
+from miles_agent.runtime.shared_weights import SharedWeights, SharedWeightsWriter
+from miles_agent.runtime.store_push import StorePush, StoreSender
+from miles_agent.transports.core import TensorMeta, WeightSyncError
+
+
+def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [("embed", torch.randn(300, 64, generator=g)),  # 75 KiB
+            ("norm", torch.randn(64, generator=g).to(torch.bfloat16)),  # 2-byte elements between 4-byte ones
+            ("steps", torch.randint(0, 1 << 40, (3,), generator=g)),
+            ("odd", torch.randn(7, generator=g).to(torch.float16)),  # 14 bytes: the next one must be realigned
+            ("big", torch.randn(512, 160, generator=g)),  # 320 KiB: more than a segment on its own
+            ("scalar", torch.tensor(2.5)),
+            ("head", torch.randn(64, 300, generator=g).t())]  # not contiguous
+
+
+def read_in_another_process(payload: bytes) -> list[tuple[str, str, tuple, bytes]]:
+    handles = pickle.loads(payload)
+    out = []
+    for handle in handles:
+        for name, t in handle.tensors():
+            out.append((name, str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()))
+        handle.check()
+    return out
+
+
+def test_another_process_reads_every_tensor_exactly_and_a_second_push_reuses_the_segments():
+    writer = SharedWeightsWriter(min_segment_bytes=256 << 10)
+    try:
+        first = weights(0)
+        handles = list(writer.write(iter(first), bucket_bytes=64 << 10))
+        paths = [s.path for s in writer.segments]
+        assert len(paths) >= 2 and len(handles) > len(paths)  # several segments, several buckets in one
+        assert all(m.start_idx % 64 == 0 for h in handles for m in h.metas)
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            got = pool.apply(read_in_another_process, (pickle.dumps(handles),))
+        assert [g[0] for g in got] == [n for n, _ in first]
+        for (name, dtype, shape, raw), (_, t) in zip(got, first, strict=True):
+            assert (dtype, shape) == (str(t.dtype), tuple(t.shape)), name
+            assert raw == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), name
+
+        second = weights(1)
+        again = list(writer.write(iter(second), bucket_bytes=64 << 10))
+        assert [s.path for s in writer.segments] == paths  # the same memory: no new files, no new page faults
+        assert {h.generation for h in again} == {handles[0].generation + 1}
+        for name, t in (nt for h in again for nt in h.tensors()):
+            assert torch.equal(t, dict(second)[name]), name
+        with pytest.raises(WeightSyncError, match="overwritten by a later push"):
+            handles[0].tensors()  # a handle kept from the first push (a restart after a failed push)
+    finally:
+        writer.close()
+    assert not any(os.path.exists(p) for p in paths)  # closing deletes the files
+
+
+def test_a_handle_whose_segment_is_gone_says_why_and_how_to_turn_it_off(tmp_path):
+    handle = SharedWeights(str(tmp_path / "gone"), 1, (TensorMeta("w", (2,), "float32", 64, 72, 8),))
+    with pytest.raises(WeightSyncError, match="another node.*sync.shared_memory=false"):
+        handle.tensors()
+
+
+def test_running_out_of_shared_memory_part_way_sends_the_rest_through_ray_put(monkeypatch, caplog):
+    """The gather is a collective: rank 0 cannot start it again, so what did not fit is packed for ray.put
+    and every tensor goes exactly once; later pushes skip shared memory."""
+    real = os.posix_fallocate
+    made = []
+
+    def fallocate(fd, offset, length):
+        if made:  # the second segment does not fit
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        made.append(length)
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    sender = StoreSender()
+    sender.writer.min_segment_bytes = 256 << 10
+    tensors = weights(2)
+    push = StorePush(sender, engines=[], version=1, bucket_bytes=64 << 10)
+    try:
+        push.write(iter(tensors), shared=True, dispatch=False, staging=[])
+        shared = [n for h in push.handles for n, _ in h.tensors()]
+        packed = [n for n, _ in push.packed.tensors()]
+        assert shared and packed and shared + packed == [n for n, _ in tensors]
+        for name, t in [*(nt for h in push.handles for nt in h.tensors()), *push.packed.tensors()]:
+            assert torch.equal(t, dict(tensors)[name]), name
+        assert "No space left" in sender.unavailable and "shared memory off" in caplog.text
+        assert not sender.shared_memory_reaches([])  # for good: later pushes go through ray.put
+    finally:
+        sender.close()
+
+
+def test_a_tmpfs_smaller_than_one_segment_is_not_used(monkeypatch, caplog):
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Tiny())
+    sender = StoreSender()
+    assert not sender.shared_memory_reaches([])
+    assert "has 0 MiB free" in sender.unavailable and "--shm-size" in caplog.text
