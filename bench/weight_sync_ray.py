@@ -246,9 +246,13 @@ def main() -> None:
               f"{ms('object store / raw ray.put+get', 0)}, raw shared memory {ms('object store / raw shared memory', 0)})"
               f"   rank 0 broadcast {ms(RANK0, 1)} (raw gloo {ms(RANK0, 0)})")
     nbytes, tensors, ratios, seconds, phases = runs[-1]
-    print(f"where a {nbytes / 2**20:.0f} MiB push spends its time (median ms): the driver's wait; inside it the "
-          "sender's push: pause, send (of which broadcasting), continue")
+    print(f"where a {nbytes / 2**20:.0f} MiB push spends its time (median ms): the driver's wait; inside it, rank 0's "
+          "part (object store), or the sender's push: pause, send (of which broadcasting), continue (rank 0)")
     for label, runs_stats in phases.items():
+        if label == "object store":
+            print(f"  {label:18s} driver {_ms(runs_stats, 'driver_s')}  rank 0: gather and write "
+                  f"{_ms(runs_stats, 'sync_write_s')}, then wait for the loads {_ms(runs_stats, 'sync_load_wait_s')}")
+            continue
         print(f"  {label:18s} driver {_ms(runs_stats, 'driver_s')}  push "
               f"{_ms(runs_stats, 'sync_seconds')}  pause {_ms(runs_stats, 'sync_pause_s')}  send "
               f"{_ms(runs_stats, 'sync_send_s')} ({_ms(runs_stats, 'sync_broadcast_s')})  continue "

@@ -52,10 +52,9 @@ class ObjectStoreTransport:
     async def push(self, named_tensors: Any, version: int) -> dict[str, float]:
         if hasattr(self.trainer, "put_to_engines"):
             async def send(actors: list[Any]) -> tuple[dict[str, float], list[Any]]:
-                handles, nbytes, released, shared = await asyncio.to_thread(
-                    self.trainer.put_to_engines, actors, int(version), self.bucket_bytes, self.shared_memory)
-                return {"sync_bytes": float(nbytes), "sync_buckets": float(len(handles)),
-                        "sync_shared_buckets": float(shared), "engine_memory_resumed": float(released)}, handles
+                handles, stats = await asyncio.to_thread(self.trainer.put_to_engines, actors, int(version),
+                                                         self.bucket_bytes, self.shared_memory)
+                return stats, handles
 
             return await self.engines.push_with(send, version)
         return await self.engines.push_weights(named_tensors, version)

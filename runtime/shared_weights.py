@@ -8,10 +8,10 @@ the trainer has its pages in place after the first push, and each tensor is one 
 out -- the floor of any copy between two processes. This is the CPU form of what colocated RL stacks do
 on GPUs (SGLang's ``update_weights_from_tensor`` with CUDA IPC handles).
 
-Layout: segments of at least `SEGMENT_BYTES` (shared-memory files, transports/shm.py), each starting with a
-64-byte header whose first int64 is the segment's generation. Rank 0 bumps the generation of every segment
-before it overwrites any of them, so an engine that reads a handle from an earlier push (a restart after a
-failed push) finds out instead of loading a mix of two versions. The segments hold the last push whole: a
+Layout: shared-memory files (transports/shm.py) -- after the first push, one of exactly the model's size --
+each starting with a 64-byte header whose first int64 is the segment's generation. Rank 0 bumps the
+generation of every segment before it overwrites any of them, so an engine that reads a handle from an
+earlier push (a restart after a failed push) finds out instead of loading a mix of two versions. The segments hold the last push whole: a
 restarted engine loads it from there (the supervisor keeps the handles, as it kept object refs).
 """
 
@@ -30,7 +30,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 HEADER_BYTES = 64  # the generation, then padding: every tensor starts 64-byte aligned
 ALIGN = 64
-SEGMENT_BYTES = 256 << 20  # a segment is at least this (more for a larger tensor): few files for a big model
+# The first push's segments are at least this (more for a larger tensor): it cannot know the total before it
+# has gathered every tensor. The second push moves into one segment of the exact size.
+SEGMENT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,10 @@ class SharedWeights:
                 f"{self.generation}): a push failed part way and left its predecessor's handles; push again")
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _generation(segment: torch.Tensor) -> torch.Tensor:
     import torch
 
@@ -88,30 +94,35 @@ class SharedWeightsWriter:
         self.min_segment_bytes = min_segment_bytes
         self.segments: list[SharedSegment] = []
         self.generation = 0
+        self.needed = 0  # the last whole push's bytes, as laid out (0: none yet)
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
               ) -> Iterator[SharedWeights]:
         """Copy the tensors into the segments in order and yield a handle per bucket as soon as its bytes are
         in place (so engines load it while the next is copied). A bucket ends at ``bucket_bytes`` or at the end
         of a segment. Segments are added when the tensors outgrow them (the first push, or a larger model);
-        `SegmentUnavailable` when shared memory cannot hold them: the handles yielded so far stay valid, and
-        the tensor that did not fit is the exception's ``unwritten``."""
+        the second push moves into one segment of exactly the first one's size. `SegmentUnavailable` when
+        shared memory cannot hold them: the handles yielded so far stay valid, and the tensor that did not
+        fit is the exception's ``unwritten``."""
         import torch
 
         from miles_agent.transports.shm import SegmentUnavailable
 
         self.generation += 1
+        if self.needed and (len(self.segments) > 1 or self.segments[0].tensor.numel() > 2 * self.needed):
+            self._consolidate()
         for segment in self.segments:  # before any byte changes: handles from earlier pushes are now stale
             _generation(segment.tensor).fill_(self.generation)
-        index, offset = 0, HEADER_BYTES
+        index, offset, used = 0, HEADER_BYTES, 0
         bucket: list[TensorMeta] = []
+        bucket_size = 0
         for name, t in named_tensors:
             t = t.detach()
             nbytes = t.numel() * t.element_size()
             if index >= len(self.segments) or offset + nbytes > self.segments[index].tensor.numel():
                 if bucket:
                     yield self._handle(index, bucket)
-                    bucket = []
+                    bucket, bucket_size = [], 0
                 if index < len(self.segments) and offset > HEADER_BYTES:
                     index += 1  # the rest of this segment is too small for the tensor
                 offset = HEADER_BYTES
@@ -124,12 +135,27 @@ class SharedWeightsWriter:
             region = self.segments[index].tensor[offset:offset + nbytes]
             region.copy_(t.contiguous().reshape(-1).view(torch.uint8))
             bucket.append(TensorMeta(name, tuple(t.shape), dtype_name(t), offset, offset + nbytes, nbytes))
-            offset = -(-(offset + nbytes) // ALIGN) * ALIGN
-            if sum(m.numel for m in bucket) >= bucket_bytes:
+            offset = _aligned(offset + nbytes)
+            used += _aligned(nbytes)
+            bucket_size += nbytes
+            if bucket_size >= bucket_bytes:
                 yield self._handle(index, bucket)
-                bucket = []
+                bucket, bucket_size = [], 0
         if bucket:
             yield self._handle(index, bucket)
+        self.needed = used
+
+    def _consolidate(self) -> None:
+        """One segment of exactly what the last push needed, in place of the first push's (sized while its
+        tensors were still unknown). Kept as they are if shared memory cannot hold the new one as well."""
+        from miles_agent.transports.shm import SegmentUnavailable, SharedSegment
+
+        try:
+            segment = SharedSegment(HEADER_BYTES + self.needed)
+        except SegmentUnavailable:
+            return
+        self.close()
+        self.segments = [segment]
 
     def _make(self, index: int, nbytes: int) -> None:
         """A new segment at ``index`` that holds ``nbytes`` (a smaller one there is replaced: deleted, so no

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -88,6 +89,7 @@ class StorePush:
         self.loads: list[list[Any]] = []  # per dispatched bucket: one sync_weights_part call per engine
         self.packed: Any = None  # what is left for ray.put (`PackedWeights`)
         self.nbytes = 0
+        self.started = time.perf_counter()  # made as the gather starts
 
     def write(self, named_tensors: Iterable[tuple[str, Any]], shared: bool, dispatch: bool, staging: list[Any]) -> None:
         """Rank 0 reads the gathered weights (all of them: the gather is a collective). ``shared``: into the
@@ -109,14 +111,17 @@ class StorePush:
         self.packed = pack_weights(rest, staging)
 
     def finish(self) -> list[Any]:
-        """Send what is left, wait until every engine has loaded every bucket: ``[handles, bytes, engines whose
-        memory had been released, buckets through shared memory]``. An engine that dies fails the push with
-        `WeightSyncError` (the supervisor replaces it and pushes again)."""
+        """Send what is left, wait until every engine has loaded every bucket: ``[handles, stats]`` (bytes,
+        buckets, those through shared memory, engines whose memory had been released, and where the time
+        went: rank 0's gather with its shared-memory writes, then any ``ray.put`` and the wait for the
+        last loads). An engine that dies fails the
+        push with `WeightSyncError` (the supervisor replaces it and pushes again)."""
         import ray
 
         from miles_agent.runtime.supervisor import actor_failures
         from miles_agent.transports.core import WeightSyncError
 
+        written = time.perf_counter()
         shared = len(self.handles)
         for handle in self.handles[len(self.loads):]:  # written but held back (colocation)
             self._dispatch(handle)
@@ -135,7 +140,9 @@ class StorePush:
             raise WeightSyncError(f"an engine died while loading the pushed weights ({type(e).__name__})") from None
         n = len(self.engines)
         released = sum(any(done[i * n + j] for i in range(len(self.loads))) for j in range(n))
-        return [self.handles, self.nbytes, released, shared]
+        return [self.handles, {"sync_bytes": float(self.nbytes), "sync_buckets": float(total),
+                               "sync_shared_buckets": float(shared), "engine_memory_resumed": float(released),
+                               "sync_write_s": written - self.started, "sync_load_wait_s": time.perf_counter() - written}]
 
     def _add(self, handle: SharedWeights, dispatch: bool) -> None:
         self.handles.append(handle)

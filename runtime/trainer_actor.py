@@ -125,9 +125,8 @@ class TrainerActor:
         """A collective: every rank gathers; rank 0 sends the weights to every engine actor bucket by bucket
         (``bucket_bytes``), through shared memory when they are all on its node (``shared_memory``), else
         through ``ray.put``, and each engine loads a bucket as soon as it is there, while the next is written
-        (runtime/store_push.py). Rank 0 returns ``[handles, bytes, engines whose memory had been released,
-        buckets through shared memory]`` (the driver keeps the handles for engines that restart and never
-        reads the bytes), the others None. An engine that dies fails the call with `WeightSyncError` (the
+        (runtime/store_push.py). Rank 0 returns ``[handles, stats]`` (the driver keeps the handles for
+        engines that restart and never reads the bytes), the others None. An engine that dies fails the call with `WeightSyncError` (the
         supervisor replaces it and pushes again)."""
         from miles_agent.runtime.store_push import StorePush, StoreSender
 
@@ -330,14 +329,12 @@ class RayTrainerGroup:
         yield from named_tensors(self._on_ranks("full_weights")[0])
 
     def put_to_engines(self, engine_actors: list[Any], version: int, bucket_bytes: int, shared_memory: bool = True
-                       ) -> tuple[list[Any], int, int, int]:
+                       ) -> tuple[list[Any], dict[str, float]]:
         """Rank 0 sends the weights to ``engine_actors`` bucket by bucket, each loaded as it arrives (see
-        `TrainerActor.put_to_engines`): (handles of the buckets, bytes, engines whose memory had been released,
-        buckets that went through shared memory). The driver never reads the bytes; it keeps the handles
-        for engines that restart."""
-        handles, nbytes, released, shared = self._on_ranks("put_to_engines", engine_actors, version, bucket_bytes,
-                                                           shared_memory)[0]
-        return handles, nbytes, released, shared
+        `TrainerActor.put_to_engines`): (handles of the buckets, the push's stats). The driver never reads
+        the bytes; it keeps the handles for engines that restart."""
+        handles, stats = self._on_ranks("put_to_engines", engine_actors, version, bucket_bytes, shared_memory)[0]
+        return handles, stats
 
     def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
                           ) -> dict[str, float]:

@@ -55,17 +55,25 @@ def test_another_process_reads_every_tensor_exactly_and_a_second_push_reuses_the
             assert (dtype, shape) == (str(t.dtype), tuple(t.shape)), name
             assert raw == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), name
 
-        second = weights(1)
+        second = weights(1)  # moves into one segment of exactly the size the first push needed
         again = list(writer.write(iter(second), bucket_bytes=64 << 10))
-        assert [s.path for s in writer.segments] == paths  # the same memory: no new files, no new page faults
-        assert {h.generation for h in again} == {handles[0].generation + 1}
+        (exact,) = writer.segments
+        aligned = sum(-(-m.numel // 64) * 64 for h in again for m in h.metas)
+        assert exact.tensor.numel() == 64 + aligned  # the header, then every tensor 64-byte aligned: no slack
+        assert not any(os.path.exists(p) for p in paths)  # the first push's files are gone
         for name, t in (nt for h in again for nt in h.tensors()):
             assert torch.equal(t, dict(second)[name]), name
+
+        third = weights(2)  # from now on the same memory: no new file, no page faulted in anew
+        last = list(writer.write(iter(third), bucket_bytes=64 << 10))
+        assert writer.segments == [exact] and {h.generation for h in last} == {again[0].generation + 1}
+        for name, t in (nt for h in last for nt in h.tensors()):
+            assert torch.equal(t, dict(third)[name]), name
         with pytest.raises(WeightSyncError, match="overwritten by a later push"):
-            handles[0].tensors()  # a handle kept from the first push (a restart after a failed push)
+            again[0].tensors()  # a handle kept from the push before (a restart after a failed push)
     finally:
         writer.close()
-    assert not any(os.path.exists(p) for p in paths)  # closing deletes the files
+    assert not os.path.exists(exact.path)  # closing deletes the file
 
 
 def test_a_handle_whose_segment_is_gone_says_why_and_how_to_turn_it_off(tmp_path):
