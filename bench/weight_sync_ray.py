@@ -9,8 +9,9 @@ under the `EngineSupervisor`, with a Qwen3-shaped model (random init). Per repea
   engine loads each bucket while the next is written -- against the two cheapest raw hops, each run every
   repeat: (a) one actor ``ray.put``s the bytes as one flat numpy array (one memcpy into the store), another
   ``ray.get``s it (zero-copy) and copies it into a preallocated buffer; (b) one actor copies the bytes into
-  a shared-memory file both keep mapped, the other copies them out. The goal is judged against the faster
-  of the two in each repeat. ``--ray-put`` times the ``ray.put`` carrier instead (``sync.shared_memory=false``:
+  a shared-memory file both keep mapped, the other copies them out, each copy on as many threads as the
+  real path's (`transports.core.copy_many_`). The goal is judged against the faster of the two in each
+  repeat. ``--ray-put`` times the ``ray.put`` carrier instead (``sync.shared_memory=false``:
   one array per tensor, Ray's put starting 6 copy threads per array of 1 MiB or more).
 - rank 0 broadcast (``sync.transport=distributed``, runtime/rank0_sync.py): rank 0 gathers
   and broadcasts over gloo to the engine actor, the whole push in one call to it (transports/stream.py)
@@ -64,11 +65,15 @@ class RawPeer:
 
         self.segment = attach_segment(path, self.flat.numel())
 
-    def write_segment(self) -> None:  # one plain copy in ...
-        self.segment.copy_(self.flat)
+    def write_segment(self) -> None:  # one copy in, on as many threads as the real path's copies ...
+        from miles_agent.transports.core import copy_many_
+
+        copy_many_([(self.segment, self.flat)])
 
     def read_segment(self) -> None:  # ... and one out, into the preallocated buffers
-        self.flat.copy_(self.segment)
+        from miles_agent.transports.core import copy_many_
+
+        copy_many_([(self.flat, self.segment)])
 
     def port(self) -> int:
         from miles_agent.transports.groups import free_port
@@ -112,7 +117,8 @@ def build_model(hidden: int, layers: int):  # noqa: ANN201
     return Qwen3ForCausalLM(cfg), tok
 
 
-def measure(hidden: int, layers: int, repeats: int, shared_memory: bool = True) -> tuple[int, int, dict, dict]:
+def measure(hidden: int, layers: int, repeats: int, shared_memory: bool = True, bucket_mb: int = 64
+            ) -> tuple[int, int, dict, dict]:
     """One model size on a running Ray: (bytes, tensors, ratios per path, (raw, ours) seconds per path)."""
     import ray
 
@@ -133,7 +139,7 @@ def measure(hidden: int, layers: int, repeats: int, shared_memory: bool = True) 
     sup = EngineSupervisor(lambda i: cls.options(num_cpus=1).remote(model_ref, tok_ref, 8, "cpu"), 1,
                            health_check_interval_s=0)
     options = dict(backend="gloo", master_address="127.0.0.1", bucket_bytes=64 << 20, check=False)
-    object_store = ObjectStoreTransport(sup, group, shared_memory=shared_memory)
+    object_store = ObjectStoreTransport(sup, group, bucket_bytes=bucket_mb << 20, shared_memory=shared_memory)
     rank0 = RankZeroTransport(group, sup, options)
     checked = RankZeroTransport(group, sup, {**options, "check": True})
     peers = [ray.remote(num_cpus=1)(RawPeer).remote(shapes) for _ in range(2)]
@@ -219,6 +225,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int)
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--ray-put", action="store_true", help="object store path with sync.shared_memory=false")
+    p.add_argument("--bucket-mb", type=int, default=64, help="the object store path's sync.bucket_mb")
     args = p.parse_args()
     # The goal's figures come from the last (largest) size; the smaller ones show how the cost grows.
     sizes = [(256, 6)] if args.quick else [(256, 6), (512, 4), (1024, 4)]
@@ -234,7 +241,8 @@ def main() -> None:
 
     ray.init(address="local", include_dashboard=False, num_cpus=8, log_to_driver=False)
     try:
-        runs = [measure(hidden, layers, repeats, shared_memory=not args.ray_put) for hidden, layers in sizes]
+        runs = [measure(hidden, layers, repeats, shared_memory=not args.ray_put, bucket_mb=args.bucket_mb)
+                for hidden, layers in sizes]
     finally:
         ray.shutdown()
     print("cost vs bytes (median ms per push):")
@@ -250,8 +258,9 @@ def main() -> None:
           "part (object store), or the sender's push: pause, send (of which broadcasting), continue (rank 0)")
     for label, runs_stats in phases.items():
         if label == "object store":
-            print(f"  {label:18s} driver {_ms(runs_stats, 'driver_s')}  rank 0: gather and write "
-                  f"{_ms(runs_stats, 'sync_write_s')}, then wait for the loads {_ms(runs_stats, 'sync_load_wait_s')}")
+            print(f"  {label:18s} driver {_ms(runs_stats, 'driver_s')}  rank 0 {_ms(runs_stats, 'sync_rank0_s')}: "
+                  f"gather and write {_ms(runs_stats, 'sync_write_s')}, then wait for the loads "
+                  f"{_ms(runs_stats, 'sync_load_wait_s')}")
             continue
         print(f"  {label:18s} driver {_ms(runs_stats, 'driver_s')}  push "
               f"{_ms(runs_stats, 'sync_seconds')}  pause {_ms(runs_stats, 'sync_pause_s')}  send "

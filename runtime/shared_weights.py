@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from miles_agent.transports.core import TensorMeta, WeightSyncError, dtype_name, unpack
+from miles_agent.transports.core import TensorMeta, WeightSyncError, copy_many_, dtype_name, unpack
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -115,13 +115,14 @@ class SharedWeightsWriter:
             _generation(segment.tensor).fill_(self.generation)
         index, offset, used = 0, HEADER_BYTES, 0
         bucket: list[TensorMeta] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # the bucket's (segment region, tensor bytes)
         bucket_size = 0
         for name, t in named_tensors:
             t = t.detach()
             nbytes = t.numel() * t.element_size()
             if index >= len(self.segments) or offset + nbytes > self.segments[index].tensor.numel():
                 if bucket:
-                    yield self._handle(index, bucket)
+                    yield self._filled(index, bucket, copies)
                     bucket, bucket_size = [], 0
                 if index < len(self.segments) and offset > HEADER_BYTES:
                     index += 1  # the rest of this segment is too small for the tensor
@@ -133,16 +134,16 @@ class SharedWeightsWriter:
                         e.unwritten = (name, t)  # taken from the caller's iterator: it must not be lost
                         raise
             region = self.segments[index].tensor[offset:offset + nbytes]
-            region.copy_(t.contiguous().reshape(-1).view(torch.uint8))
+            copies.append((region, t.contiguous().reshape(-1).view(torch.uint8)))
             bucket.append(TensorMeta(name, tuple(t.shape), dtype_name(t), offset, offset + nbytes, nbytes))
             offset = _aligned(offset + nbytes)
             used += _aligned(nbytes)
             bucket_size += nbytes
             if bucket_size >= bucket_bytes:
-                yield self._handle(index, bucket)
+                yield self._filled(index, bucket, copies)
                 bucket, bucket_size = [], 0
         if bucket:
-            yield self._handle(index, bucket)
+            yield self._filled(index, bucket, copies)
         self.needed = used
 
     def _consolidate(self) -> None:
@@ -170,7 +171,11 @@ class SharedWeightsWriter:
         else:
             self.segments.append(segment)
 
-    def _handle(self, index: int, metas: list[TensorMeta]) -> SharedWeights:
+    def _filled(self, index: int, metas: list[TensorMeta], copies: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> SharedWeights:
+        """Copy a bucket's tensors into segment ``index`` (together: on a few threads), then its handle."""
+        copy_many_(copies)
+        copies.clear()
         return SharedWeights(self.segments[index].path, self.generation, tuple(metas))
 
     @property

@@ -130,6 +130,7 @@ class TrainerActor:
         supervisor replaces it and pushes again)."""
         from miles_agent.runtime.store_push import StorePush, StoreSender
 
+        started = time.perf_counter()
         if self.trainer.rank == 0 and self.store_sender is None:
             self.store_sender = StoreSender()
         shared = bool(shared_memory and self.trainer.rank == 0 and self.store_sender.shared_memory_reaches(engines))
@@ -139,7 +140,8 @@ class TrainerActor:
             push = StorePush(self.store_sender, engines, version, bucket_bytes)
             # Colocated engines take the device back only after the gather gives it up: they load after it.
             push.write(self.trainer.named_weights(), shared=shared, dispatch=not self.offload, staging=self.staging)
-        return push.finish()
+        handles, stats = push.finish()
+        return [handles, {**stats, "sync_rank0_s": time.perf_counter() - started}]
 
     def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
         """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)

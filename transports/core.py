@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_agent.engine import PauseMode, RolloutEngine
 
@@ -150,6 +150,66 @@ def unpack(flat: torch.Tensor, metas: Iterable[TensorMeta]) -> list[tuple[str, t
         dtype = getattr(torch, m.dtype) if isinstance(m.dtype, str) else m.dtype
         out.append((m.name, flat[m.start_idx:m.end_idx].view(dtype).reshape(m.shape)))
     return out
+
+
+# -- host copies -------------------------------------------------------------------------------------
+
+PARALLEL_COPY_MIN_BYTES = 1 << 20  # below this a copy stays on the calling thread: a hand-off costs more
+_copy_pool: Any = None  # (the pid that made it, its ThreadPoolExecutor)
+
+
+def copy_threads() -> int:
+    """Threads for host-to-host weight copies: a core copies ~5 GB/s, well under memory bandwidth, and
+    during a sync the trainer waits and the engine is paused, so their cores are free. At most 4."""
+    import os
+
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def copy_many_(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every pair. Contiguous host pairs of one dtype and shape (the weights of a sync)
+    are cut into chunks and dealt to `copy_threads` threads in byte-balanced shares, one hand-off per thread
+    per call (torch's copy releases the GIL); the rest are copied plainly."""
+    import os
+
+    import torch
+
+    chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+    total = 0
+    for dst, src in pairs:
+        if (dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype or dst.shape != src.shape
+                or not dst.is_contiguous() or not src.is_contiguous()):
+            dst.copy_(src)
+            continue
+        d, s = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+        for i in range(0, d.numel(), PARALLEL_COPY_MIN_BYTES):
+            chunks.append((d[i:i + PARALLEL_COPY_MIN_BYTES], s[i:i + PARALLEL_COPY_MIN_BYTES]))
+        total += d.numel()
+    threads = min(copy_threads(), max(1, total // PARALLEL_COPY_MIN_BYTES))
+    if threads == 1:
+        for d, s in chunks:
+            d.copy_(s)
+        return
+    shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
+    share_bytes = -(-total // threads)
+    filled = 0
+    for d, s in chunks:  # consecutive chunks per share: each thread streams through its own memory
+        shares[min(filled // share_bytes, threads - 1)].append((d, s))
+        filled += d.numel()
+    global _copy_pool
+    if _copy_pool is None or _copy_pool[0] != os.getpid():  # a forked child has the pool but not its threads
+        from concurrent.futures import ThreadPoolExecutor
+
+        _copy_pool = (os.getpid(), ThreadPoolExecutor(3, thread_name_prefix="weight-copy"))  # + the caller
+    rest = [_copy_pool[1].submit(_copy_share, share) for share in shares[1:]]
+    _copy_share(shares[0])
+    for f in rest:
+        f.result()
+
+
+def _copy_share(share: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for d, s in share:
+        d.copy_(s)
 
 
 # -- check mode ---------------------------------------------------------------------------------------

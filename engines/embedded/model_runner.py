@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from miles_agent.engines.embedded.fused import FusedDecoder, _is_silu, fusable
 from miles_agent.models.vision import mask_suppressed, suppressed_ids
+from miles_agent.transports.core import copy_many_
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl")
 
@@ -487,5 +488,11 @@ class ModelRunner:
             if tuple(targets[name].shape) != tuple(tensor.shape):
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(targets[name].shape)} in the "
                                  f"model but {tuple(tensor.shape)} was sent")
+        same = []  # same device and dtype: copied together, host ones on a few threads (the engine is paused)
         for name, tensor in named_tensors:
-            targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+            target = targets[name]
+            if target.device == tensor.device and target.dtype == tensor.dtype:
+                same.append((target, tensor))
+            else:
+                target.copy_(tensor)  # converts as it copies
+        copy_many_(same)
