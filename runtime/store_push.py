@@ -78,6 +78,31 @@ class StoreSender:
         self.writer.close()
 
 
+def pipelines(device: str, colocated: bool) -> bool:
+    """Whether engines on this node should load each shared-memory bucket while rank 0 writes the next.
+    Not colocated: the engines take the device back only after the gather gives it up. Host weights: only
+    with cores for both sides' copy threads -- on fewer, the two sides' copies only slow each other down
+    (and each extra load call costs a Ray round trip), so one load per segment after the writes is faster."""
+    import torch
+
+    from miles_agent.transports.core import copy_threads
+
+    if colocated:
+        return False
+    return torch.device(device).type != "cpu" or len(os.sched_getaffinity(0)) >= 2 * copy_threads()
+
+
+def merged(handles: list[SharedWeights]) -> list[SharedWeights]:
+    """Consecutive handles into one segment as one handle (one load call instead of several)."""
+    out: list[SharedWeights] = []
+    for h in handles:
+        if out and out[-1].path == h.path and out[-1].generation == h.generation:
+            out[-1] = SharedWeights(h.path, h.generation, out[-1].metas + h.metas)
+        else:
+            out.append(h)
+    return out
+
+
 class StorePush:
     """One push: ``write`` during the gather, ``finish`` after it (the trainer's device may be given back to
     colocated engines in between)."""
@@ -94,7 +119,8 @@ class StorePush:
     def write(self, named_tensors: Iterable[tuple[str, Any]], shared: bool, dispatch: bool, staging: list[Any]) -> None:
         """Rank 0 reads the gathered weights (all of them: the gather is a collective). ``shared``: into the
         segments, each bucket sent on (``dispatch``) as soon as it is in place; the rest, or everything,
-        packed for ``ray.put`` in `finish`. Not ``dispatch``: colocated engines must wait for the device."""
+        packed for ``ray.put`` in `finish`. Not ``dispatch`` (`pipelines`): the engines load after the
+        writes, one call per segment."""
         from miles_agent.runtime.packed_weights import pack_weights
         from miles_agent.transports.shm import SegmentUnavailable
 
@@ -122,9 +148,12 @@ class StorePush:
         from miles_agent.transports.core import WeightSyncError
 
         written = time.perf_counter()
+        if len(self.loads) < len(self.handles):  # written but held back: one load per segment
+            held = merged(self.handles[len(self.loads):])
+            self.handles[len(self.loads):] = held
+            for handle in held:
+                self._dispatch(handle)
         shared = len(self.handles)
-        for handle in self.handles[len(self.loads):]:  # written but held back (colocation)
-            self._dispatch(handle)
         if self.packed is not None and self.packed.parts:
             for bucket in self.packed.split(self.bucket_bytes):
                 ref = ray.put(bucket)

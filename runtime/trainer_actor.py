@@ -128,7 +128,7 @@ class TrainerActor:
         (runtime/store_push.py). Rank 0 returns ``[handles, stats]`` (the driver keeps the handles for
         engines that restart and never reads the bytes), the others None. An engine that dies fails the call with `WeightSyncError` (the
         supervisor replaces it and pushes again)."""
-        from miles_agent.runtime.store_push import StorePush, StoreSender
+        from miles_agent.runtime.store_push import StorePush, StoreSender, pipelines
 
         started = time.perf_counter()
         if self.trainer.rank == 0 and self.store_sender is None:
@@ -138,8 +138,8 @@ class TrainerActor:
             if not rank0:
                 return None
             push = StorePush(self.store_sender, engines, version, bucket_bytes)
-            # Colocated engines take the device back only after the gather gives it up: they load after it.
-            push.write(self.trainer.named_weights(), shared=shared, dispatch=not self.offload, staging=self.staging)
+            push.write(self.trainer.named_weights(), shared=shared, staging=self.staging,
+                       dispatch=pipelines(str(getattr(self.trainer, "device", "cpu")), colocated=self.offload))
         handles, stats = push.finish()
         return [handles, {**stats, "sync_rank0_s": time.perf_counter() - started}]
 

@@ -41,8 +41,8 @@ def test_every_bucket_has_loaded_on_every_engine_when_a_push_returns(ray_session
         records = asyncio.run(run.train())
         assert len(records) == 1 and len(pushed) == 1
         for version, p in enumerate(pushed, start=1):
-            assert p["sync_buckets"] > 2 and p["sync_engines"] == 2  # several 1 MiB buckets, both engines
-            assert p["sync_shared_buckets"] == p["sync_buckets"]  # all on this node: all through shared memory
+            assert p["sync_buckets"] >= 1 and p["sync_engines"] == 2  # 1 MiB buckets (one load call per
+            assert p["sync_shared_buckets"] == p["sync_buckets"]  # segment on few cores), all through shared memory
             assert [(q["weight_version"], q["paused"]) for q in p["probes"]] == [(version, False)] * 2
     finally:
         asyncio.run(sup.shutdown())
@@ -81,8 +81,9 @@ def test_an_engine_dead_before_the_push_is_replaced_and_the_push_goes_to_the_oth
 
     try:
         stats, sums = asyncio.run(main())
-        assert stats["sync_engines"] == 1 and stats["engine_restarts"] == 1 and stats["sync_buckets"] > 2
+        assert stats["sync_engines"] == 1 and stats["engine_restarts"] == 1
         assert stats["sync_shared_buckets"] == (stats["sync_buckets"] if shared_memory else 0)
+        assert shared_memory or stats["sync_buckets"] > 2  # ray.put: several 1 MiB buckets, each its own load
         assert sup._slots[1].actor is not victim and sums[0] == sums[1]
         expected = {name: tensor_checksum(t) for name, t in group.named_weights()}
         compare_checksums(expected, sums[1]["checksums"], engine="the replacement", version=5)
