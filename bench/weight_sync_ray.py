@@ -181,8 +181,9 @@ def measure(hidden: int, layers: int, repeats: int, shared_memory: bool = True, 
 
         first = await checked.push(None, 1)  # rank 0 broadcast with checksums compared: must pass
         assert first["sync_checked_tensors"] > 0
-        await push(object_store)  # warm every path: the timed rank-0 pushes use other options than the
-        await push(rank0)  # checked one, so the first of them would otherwise re-form the group
+        await push(object_store)  # warm every path: the object store's second push moves into one shared-memory
+        await push(object_store)  # segment of the exact size (once per run); the timed rank-0 pushes use other
+        await push(rank0)  # options than the checked one, so the first of them would otherwise re-form the group
         raw_object_store()
         raw_shared_memory()
         raw_gloo()

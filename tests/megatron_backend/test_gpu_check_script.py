@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~55 s: the nightly command keeps the script a GPU session runs from rotting
 def test_gpu_check_quick_on_cpu():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
