@@ -37,12 +37,12 @@ class RaySession:
 
 
 class ObjectStoreTransport:
-    """`WeightTransport` to supervised engine actors through Ray's object store.
+    """`WeightTransport` to supervised engine actors, the bytes beside Ray's calls.
 
-    With the Ray trainer group, rank 0 puts the weights in the store itself, bucket by bucket, and has the
-    engines load each bucket while it puts the next (`TrainerActor.put_to_engines`); the driver keeps the
-    references for engines that restart and never reads the bytes (its lazy ``named_weights`` is never
-    read). Otherwise the driver packs what it is given and puts it once."""
+    With the Ray trainer group, rank 0 sends the weights itself, bucket by bucket (`TrainerActor.put_to_engines`,
+    runtime/store_push.py): through shared memory to engines on its node (``shared_memory``), through
+    ``ray.put`` otherwise; the driver keeps the handles for engines that restart and never reads the bytes
+    (its lazy ``named_weights`` is never read). Otherwise the driver packs what it is given and puts it once."""
 
     def __init__(self, engines: Any, trainer: Any = None, bucket_bytes: int = 64 << 20, shared_memory: bool = True
                  ) -> None:

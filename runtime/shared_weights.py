@@ -11,8 +11,9 @@ on GPUs (SGLang's ``update_weights_from_tensor`` with CUDA IPC handles).
 Layout: shared-memory files (transports/shm.py) -- after the first push, one of exactly the model's size --
 each starting with a 64-byte header whose first int64 is the segment's generation. Rank 0 bumps the
 generation of every segment before it overwrites any of them, so an engine that reads a handle from an
-earlier push (a restart after a failed push) finds out instead of loading a mix of two versions. The segments hold the last push whole: a
-restarted engine loads it from there (the supervisor keeps the handles, as it kept object refs).
+earlier push (a restart after a failed push) finds out instead of loading a mix of two versions. The
+segments hold the last push whole: a restarted engine loads it from there (the supervisor keeps the
+handles, as it kept object refs).
 """
 
 from __future__ import annotations

@@ -80,16 +80,16 @@ class StoreSender:
 
 def pipelines(device: str, colocated: bool) -> bool:
     """Whether engines on this node should load each shared-memory bucket while rank 0 writes the next.
-    Not colocated: the engines take the device back only after the gather gives it up. Host weights: only
+    Never colocated: the engines take the device back only after the gather gives it up. Host weights: only
     with cores for both sides' copy threads -- on fewer, the two sides' copies only slow each other down
     (and each extra load call costs a Ray round trip), so one load per segment after the writes is faster."""
     import torch
 
-    from miles_agent.transports.core import copy_threads
+    from miles_agent.transports.core import copy_threads, usable_cores
 
     if colocated:
         return False
-    return torch.device(device).type != "cpu" or len(os.sched_getaffinity(0)) >= 2 * copy_threads()
+    return torch.device(device).type != "cpu" or usable_cores() >= 2 * copy_threads()
 
 
 def merged(handles: list[SharedWeights]) -> list[SharedWeights]:
@@ -140,8 +140,8 @@ class StorePush:
         """Send what is left, wait until every engine has loaded every bucket: ``[handles, stats]`` (bytes,
         buckets, those through shared memory, engines whose memory had been released, and where the time
         went: rank 0's gather with its shared-memory writes, then any ``ray.put`` and the wait for the
-        last loads). An engine that dies fails the
-        push with `WeightSyncError` (the supervisor replaces it and pushes again)."""
+        last loads). An engine that dies fails the push with `WeightSyncError` (the supervisor replaces it
+        and pushes again)."""
         import ray
 
         from miles_agent.runtime.supervisor import actor_failures

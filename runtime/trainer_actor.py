@@ -126,8 +126,8 @@ class TrainerActor:
         (``bucket_bytes``), through shared memory when they are all on its node (``shared_memory``), else
         through ``ray.put``, and each engine loads a bucket as soon as it is there, while the next is written
         (runtime/store_push.py). Rank 0 returns ``[handles, stats]`` (the driver keeps the handles for
-        engines that restart and never reads the bytes), the others None. An engine that dies fails the call with `WeightSyncError` (the
-        supervisor replaces it and pushes again)."""
+        engines that restart and never reads the bytes), the others None. An engine that dies fails the call
+        with `WeightSyncError` (the supervisor replaces it and pushes again)."""
         from miles_agent.runtime.store_push import StorePush, StoreSender, pipelines
 
         started = time.perf_counter()

@@ -158,12 +158,18 @@ PARALLEL_COPY_MIN_BYTES = 1 << 20  # below this a copy stays on the calling thre
 _copy_pool: Any = None  # (the pid that made it, its ThreadPoolExecutor)
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (all of them where the OS cannot say, e.g. macOS)."""
+    import os
+
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 def copy_threads() -> int:
     """Threads for host-to-host weight copies: a core copies ~5 GB/s, well under memory bandwidth, and
     during a sync the trainer waits and the engine is paused, so their cores are free. At most 4."""
-    import os
-
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    return max(1, min(4, usable_cores()))
 
 
 def copy_many_(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:

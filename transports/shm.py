@@ -56,7 +56,8 @@ class SharedSegment:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, self.path = tempfile.mkstemp(prefix="miles-weights-", dir=folder)
         try:  # reserve the pages now: a sparse file on a full tmpfs would kill the writer with SIGBUS later
-            os.posix_fallocate(fd, 0, max(1, nbytes))
+            if hasattr(os, "posix_fallocate"):  # not on macOS (no /dev/shm there either: a temp file)
+                os.posix_fallocate(fd, 0, max(1, nbytes))
         except OSError as e:
             _unlink(self.path)
             raise SegmentUnavailable(f"cannot reserve {nbytes / 2**20:.0f} MiB of shared memory in "
