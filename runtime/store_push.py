@@ -148,21 +148,21 @@ class StorePush:
         from miles_agent.transports.core import WeightSyncError
 
         written = time.perf_counter()
-        if len(self.loads) < len(self.handles):  # written but held back: one load per segment
-            held = merged(self.handles[len(self.loads):])
-            self.handles[len(self.loads):] = held
-            for handle in held:
-                self._dispatch(handle)
+        early = len(self.loads)  # sent while writing, before the count was known
+        self.handles[early:] = merged(self.handles[early:])  # written but held back: one load per segment
         shared = len(self.handles)
-        if self.packed is not None and self.packed.parts:
-            for bucket in self.packed.split(self.bucket_bytes):
-                ref = ray.put(bucket)
-                self.handles.append(ref)
-                self.nbytes += bucket.nbytes
-                self._dispatch(ref)
-        total = len(self.handles)  # now known: the engines resume once they have loaded this many
+        buckets = self.packed.split(self.bucket_bytes) if self.packed is not None and self.packed.parts else []
+        total = shared + len(buckets)  # the engines resume once they have loaded this many
+        for handle in self.handles[early:]:
+            self._dispatch(handle, total)
+        for bucket in buckets:
+            ref = ray.put(bucket)
+            self.handles.append(ref)
+            self.nbytes += bucket.nbytes
+            self._dispatch(ref, total)
         calls = [ref for per_bucket in self.loads for ref in per_bucket]
-        calls += [e.sync_weights_done.remote(self.id, total) for e in self.engines]
+        if early:  # those parts went out with count 0: the count follows
+            calls += [e.sync_weights_done.remote(self.id, total) for e in self.engines]
         try:
             done = ray.get(calls)
         except actor_failures() as e:  # not this rank's failure: the driver must not take it for one
@@ -177,8 +177,10 @@ class StorePush:
         self.handles.append(handle)
         self.nbytes += handle.nbytes
         if dispatch:
-            self._dispatch(handle)
+            self._dispatch(handle, 0)
 
-    def _dispatch(self, handle: Any) -> None:
+    def _dispatch(self, handle: Any, parts: int) -> None:
+        """Every engine loads ``handle``: part number ``len(self.loads)`` of ``parts`` (0: not known yet)."""
         part = len(self.loads)
-        self.loads.append([e.sync_weights_part.remote(handle, self.version, self.id, part, 0) for e in self.engines])
+        self.loads.append([e.sync_weights_part.remote(handle, self.version, self.id, part, parts)
+                           for e in self.engines])
