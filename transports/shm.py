@@ -43,30 +43,41 @@ class SegmentUnavailable(OSError):
     unwritten: Any = None  # what a writer was about to put there (runtime/shared_weights.py)
 
 
+PREFIX = "miles-weights-"
+STALE_AFTER_S = 60.0  # a file this old and unlocked lost its owner (a younger one may not be locked yet)
+
+
 class SharedSegment:
     """A shared-memory file (in /dev/shm where it exists) mapped as a uint8 tensor; deleted on close.
 
     A file mapped with MAP_SHARED (``torch.from_file(shared=True)``) rather than Python's SharedMemory,
     whose resource tracker would also claim segments the engine attaches to.
+
+    The owner holds a shared ``flock`` on its file while it lives; the kernel drops it when the process
+    dies, however it dies. A killed trainer cannot delete its files (tmpfs pages stay taken until reboot),
+    so each new segment first deletes the files of owners that are gone (`sweep_stale_segments`).
     """
 
     def __init__(self, nbytes: int) -> None:
+        import fcntl
+
         import torch
 
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix="miles-weights-", dir=folder)
+        sweep_stale_segments(folder or tempfile.gettempdir())
+        fd, self.path = tempfile.mkstemp(prefix=PREFIX, dir=folder)
+        fcntl.flock(fd, fcntl.LOCK_SH)
         try:  # reserve the pages now: a sparse file on a full tmpfs would kill the writer with SIGBUS later
             if hasattr(os, "posix_fallocate"):  # not on macOS (no /dev/shm there either: a temp file)
                 os.posix_fallocate(fd, 0, max(1, nbytes))
         except OSError as e:
+            os.close(fd)
             _unlink(self.path)
             raise SegmentUnavailable(f"cannot reserve {nbytes / 2**20:.0f} MiB of shared memory in "
                                      f"{folder or tempfile.gettempdir()} ({e.strerror}): give the machine (or "
                                      "container: --shm-size) more shared memory, or lower sync.bucket_mb") from e
-        finally:
-            os.close(fd)
         self.tensor = torch.from_file(self.path, shared=True, size=max(1, nbytes), dtype=torch.uint8)
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        self._finalizer = weakref.finalize(self, _release, fd, self.path)
 
     def handle(self, nbytes: int) -> SegmentHandle:
         return SegmentHandle(self.path, nbytes)
@@ -79,6 +90,41 @@ class SharedSegment:
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _release(fd: int, path: str) -> None:
+    _unlink(path)
+    with contextlib.suppress(OSError):
+        os.close(fd)  # drops the lock
+
+
+def sweep_stale_segments(folder: str) -> int:
+    """Delete the segment files in ``folder`` whose owner is gone: no process holds their lock (and they are
+    older than `STALE_AFTER_S`, so a file made but not locked yet is spared). Returns how many."""
+    import fcntl
+    import time
+
+    removed = 0
+    with contextlib.suppress(OSError):
+        names = [n for n in os.listdir(folder) if n.startswith(PREFIX)]
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                if time.time() - os.stat(path).st_mtime < STALE_AFTER_S:
+                    continue
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:  # gone meanwhile, or another user's
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # its owner is alive
+                continue
+            else:
+                _unlink(path)
+                removed += 1
+            finally:
+                os.close(fd)
+    return removed
 
 
 class SegmentHandle:
