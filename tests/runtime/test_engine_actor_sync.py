@@ -24,14 +24,20 @@ def tiny():
     return build_tiny("tiny-qwen3")
 
 
-def test_sync_weights_loads_the_version_mid_request_and_keeps_serving(tiny):
-    model, tok = tiny
-    actor = EngineActor(copy.deepcopy(model), tok, 4, "cpu")
-    actor.engine.eos_ids = frozenset()
+def perturbed(model):
+    """A copy of ``model`` with every parameter moved a little: weights an engine does not hold yet."""
     other = copy.deepcopy(model)
     with torch.no_grad():
         for p in other.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    return other
+
+
+def test_sync_weights_loads_the_version_mid_request_and_keeps_serving(tiny):
+    model, tok = tiny
+    actor = EngineActor(copy.deepcopy(model), tok, 4, "cpu")
+    actor.engine.eos_ids = frozenset()
+    other = perturbed(model)
     packed = pack_weights(other.state_dict().items())
 
     async def main():
@@ -69,10 +75,7 @@ def test_a_push_in_parts_pauses_once_loads_every_part_and_resumes_after_the_last
     generation stops before the first part touches a weight and resumes only when every part has loaded."""
     model, tok = tiny
     actor = EngineActor(copy.deepcopy(model), tok, 4, "cpu")
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    other = perturbed(model)
     parts = pack_weights(other.state_dict().items()).split(64 << 10)
     assert len(parts) > 3
     seen: list[tuple[bool, int]] = []  # (paused, version) whenever a part loads
@@ -123,10 +126,7 @@ def test_a_push_whose_count_comes_later_resumes_only_when_every_part_has_loaded(
     (`sync_weights_done`); Ray may deliver the count before or after the parts."""
     model, tok = tiny
     actor = EngineActor(copy.deepcopy(model), tok, 4, "cpu")
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    other = perturbed(model)
     parts = pack_weights(other.state_dict().items()).split(64 << 10)
 
     async def main():
