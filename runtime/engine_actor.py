@@ -10,7 +10,9 @@ moved to host while the trainer uses the device) and two fault-injection calls u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import sys
 import time
 from typing import Any
 
@@ -35,6 +37,7 @@ class EngineActor:
         self.released = False
         self.memory_events: list[tuple[str, float]] = []  # colocation: when the memory went and came back
         self._parts: dict[str, Any] | None = None  # the push whose buckets are arriving (`sync_weights_part`)
+        self._written_waiter: Any = None  # made on the first announced push (runtime/shared_weights.py)
         self.receiver = InProcessReceiver(self.engine)  # SGLang's weight-update API over this engine
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams,
@@ -68,13 +71,16 @@ class EngineActor:
         await self.resume()
         return was_released
 
-    async def sync_weights_part(self, weights: Any, version: int, push: str, part: int, parts: int) -> bool:
+    async def sync_weights_part(self, weights: Any, version: int, push: str, part: int, parts: int,
+                                announced: bool = False) -> bool:
         """Bucket ``part`` of one push (id ``push``) that the trainer sends one bucket at a time
         (runtime/store_push.py). ``parts``: how many the push has, or 0 when the trainer tells it later
         (`sync_weights_done`). Ray may start these calls in any order: the first to come resumes the memory
         and pauses in place, the others wait for that; each loads its bucket; once all have loaded,
-        generation resumes. Returns whether the memory had been released (only the call that paused can say).
-        A failed load leaves the engine paused, as `sync_weights` does."""
+        generation resumes. ``announced``: ``weights`` is a `SharedWeights` sent before rank 0 wrote its
+        bytes: wait for them; if rank 0 laid the push out otherwise, load nothing from this call (the push's
+        real parts follow). Returns whether the memory had been released (only the call that paused can
+        say). A failed load leaves the engine paused, as `sync_weights` does."""
         state = self._push_state(push)
         first = state["ready"] is None
         if first:
@@ -89,10 +95,33 @@ class EngineActor:
                 raise
         else:
             await asyncio.shield(state["ready"])
+        if announced and not await self._written(weights):
+            return first and state["released"]
         await self.update_weights(weights, version)
         state["loaded"] += 1
         await self._finish_push(state, parts)
         return first and state["released"]
+
+    async def _written(self, weights: Any) -> bool:
+        from miles_agent.runtime.shared_weights import WrittenWaiter
+
+        if self._written_waiter is None:  # woken by actor id: rank 0 knows its engines' (outside Ray: by pid)
+            ray = sys.modules.get("ray")  # not imported outside an actor (importing it here would start nothing)
+            in_actor = ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id()
+            self._written_waiter = WrittenWaiter(in_actor or f"pid-{os.getpid()}")
+        return await self._written_waiter.wait(weights)
+
+    async def sync_weights_abandoned(self, push: str) -> None:
+        """Rank 0 could not write the push ``push`` it had announced (its gather failed): nothing of it has
+        loaded, so generation goes on with the weights the engine has."""
+        state = self._parts
+        if state is None or state["push"] != push or state["ready"] is None:
+            return
+        with contextlib.suppress(Exception):  # the pause failed: the announced call reports that
+            await asyncio.shield(state["ready"])
+        if self._parts is state and state["loaded"] == 0:
+            self._parts = None
+            await self.resume()
 
     async def sync_weights_done(self, push: str, parts: int) -> None:
         """The push ``push`` has ``parts`` buckets: generation resumes once they have all loaded (now, if they
@@ -196,6 +225,8 @@ class EngineActor:
         return list(self.memory_events)
 
     async def shutdown(self) -> None:
+        if self._written_waiter is not None:
+            self._written_waiter.close()
         await self.engine.shutdown()
 
     def node_id(self) -> str:

@@ -9,15 +9,27 @@ out -- the floor of any copy between two processes. This is the CPU form of what
 on GPUs (SGLang's ``update_weights_from_tensor`` with CUDA IPC handles).
 
 Layout: shared-memory files (transports/shm.py) -- after the first push, one of exactly the model's size --
-each starting with a 64-byte header whose first int64 is the segment's generation. Rank 0 bumps the
-generation of every segment before it overwrites any of them, so an engine that reads a handle from an
-earlier push (a restart after a failed push) finds out instead of loading a mix of two versions. The
-segments hold the last push whole: a restarted engine loads it from there (the supervisor keeps the
+each starting with a 64-byte header: two int64s, the segment's generation and its written mark. Rank 0
+bumps the generation of every segment before it overwrites any of them, so an engine that reads a handle
+from an earlier push (a restart after a failed push) finds out instead of loading a mix of two versions.
+The segments hold the last push whole: a restarted engine loads it from there (the supervisor keeps the
 handles, as it kept object refs).
+
+Announced pushes: once the layout has settled (one segment, the same tensors as the last push), rank 0 sends
+each engine its handle before writing (`SharedWeightsWriter.announce`), so the call crosses Ray and the
+engine pauses while the bytes are copied. The engine then waits for the written mark to reach the handle's
+generation (`WrittenWaiter`; rank 0 wakes it through a datagram, `wake_engines`). A push laid out otherwise
+after all (another model) or abandoned part way marks minus its generation: the engine loads nothing from
+that call, and rank 0 sends the real handles.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
+import sys
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from miles_agent.transports.shm import SharedSegment
 
-HEADER_BYTES = 64  # the generation, then padding: every tensor starts 64-byte aligned
+HEADER_BYTES = 64  # the generation, the written mark, then padding: every tensor starts 64-byte aligned
 ALIGN = 64
 # The first push's segments are at least this (more for a larger tensor): it cannot know the total before it
 # has gathered every tensor. The second push moves into one segment of the exact size.
@@ -88,6 +100,13 @@ def _generation(segment: torch.Tensor) -> torch.Tensor:
     return segment[:8].view(torch.int64)
 
 
+def _written(segment: torch.Tensor) -> torch.Tensor:
+    """The generation whose bytes are all in place; minus it: that push will not match its announced handle."""
+    import torch
+
+    return segment[8:16].view(torch.int64)
+
+
 class SharedWeightsWriter:
     """Trainer rank 0's side: the segments, reused by every push, and the copy of each push into them."""
 
@@ -96,24 +115,57 @@ class SharedWeightsWriter:
         self.segments: list[SharedSegment] = []
         self.generation = 0
         self.needed = 0  # the last whole push's bytes, as laid out (0: none yet)
+        self.layout: tuple[TensorMeta, ...] | None = None  # the last push's, when it all went into one segment
+        self.as_announced = False  # whether the last push matched the handle `announce` gave for it
 
-    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-              ) -> Iterator[SharedWeights]:
+    def announce(self) -> SharedWeights | None:
+        """The next push's handle before any byte is written -- the last push's layout, in the same segment --
+        or None while the layout is not settled (the first two pushes, or more than one segment)."""
+        if self.layout is None or len(self.segments) != 1 or self._consolidates():
+            return None
+        return SharedWeights(self.segments[0].path, self.generation + 1, self.layout)
+
+    def _consolidates(self) -> bool:
+        return bool(self.needed and self.segments) and (len(self.segments) > 1
+                                                        or self.segments[0].tensor.numel() > 2 * self.needed)
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+              announced: SharedWeights | None = None) -> Iterator[SharedWeights]:
         """Copy the tensors into the segments in order and yield a handle per bucket as soon as its bytes are
         in place (so engines load it while the next is copied). A bucket ends at ``bucket_bytes`` or at the end
         of a segment. Segments are added when the tensors outgrow them (the first push, or a larger model);
         the second push moves into one segment of exactly the first one's size. `SegmentUnavailable` when
         shared memory cannot hold them: the handles yielded so far stay valid, and the tensor that did not
-        fit is the exception's ``unwritten``."""
+        fit is the exception's ``unwritten``. ``announced``: this push's handle from `announce`, already
+        with the engines; the written mark says whether the push matched it (``as_announced``), also when
+        the push ends early (an exception, here or in ``named_tensors``)."""
+        self.generation += 1
+        self.as_announced = False
+        if self._consolidates():
+            self._consolidate()
+        for segment in self.segments:  # before any byte changes: handles from earlier pushes are now stale
+            _generation(segment.tensor).fill_(self.generation)
+        laid: list[TensorMeta] = []
+        try:
+            yield from self._write(named_tensors, bucket_bytes, laid)
+        except BaseException:
+            self._mark(-self.generation)  # engines waiting on an announced handle load nothing from it
+            raise
+        self.layout = tuple(laid) if len(self.segments) == 1 else None  # one segment: it holds them all
+        self.as_announced = announced is not None and self.layout is not None and announced == SharedWeights(
+            self.segments[0].path, self.generation, self.layout)
+        self._mark(self.generation if announced is None or self.as_announced else -self.generation)
+
+    def _mark(self, written: int) -> None:
+        for segment in self.segments:
+            _written(segment.tensor).fill_(written)
+
+    def _write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, laid: list[TensorMeta]
+               ) -> Iterator[SharedWeights]:
         import torch
 
         from miles_agent.transports.shm import SegmentUnavailable
 
-        self.generation += 1
-        if self.needed and (len(self.segments) > 1 or self.segments[0].tensor.numel() > 2 * self.needed):
-            self._consolidate()
-        for segment in self.segments:  # before any byte changes: handles from earlier pushes are now stale
-            _generation(segment.tensor).fill_(self.generation)
         index, offset, used = 0, HEADER_BYTES, 0
         bucket: list[TensorMeta] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # the bucket's (segment region, tensor bytes)
@@ -136,7 +188,9 @@ class SharedWeightsWriter:
                         raise
             region = self.segments[index].tensor[offset:offset + nbytes]
             copies.append((region, t.contiguous().reshape(-1).view(torch.uint8)))
-            bucket.append(TensorMeta(name, tuple(t.shape), dtype_name(t), offset, offset + nbytes, nbytes))
+            meta = TensorMeta(name, tuple(t.shape), dtype_name(t), offset, offset + nbytes, nbytes)
+            bucket.append(meta)
+            laid.append(meta)
             offset = _aligned(offset + nbytes)
             used += _aligned(nbytes)
             bucket_size += nbytes
@@ -187,3 +241,79 @@ class SharedWeightsWriter:
         for segment in self.segments:
             segment.close()
         self.segments = []
+
+
+def _wake_address(engine_id: str) -> str:
+    """An engine's wake-up socket: Linux's abstract namespace (no file to clean up, gone with the process)."""
+    return f"\0miles-agent-weights-written-{engine_id}"
+
+
+def wake_engines(engine_ids: Iterable[str]) -> None:
+    """Rank 0, once an announced push's written mark is set: wake the engines waiting on it. Best effort --
+    an engine not listening yet reads the mark before it waits, and one that never hears it polls."""
+    if not sys.platform.startswith("linux"):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)
+        for engine_id in engine_ids:
+            with contextlib.suppress(OSError):  # not bound (yet), or its queue is full: it polls
+                sock.sendto(b"w", _wake_address(engine_id))
+
+
+class WrittenWaiter:
+    """An engine's wait for an announced push's bytes (see the module docstring)."""
+
+    POLL_S = 0.05  # without a wake-up (none on macOS, or one missed): how often the mark is read again
+    TIMEOUT_S = 600.0  # rank 0 alive but never done: give up (the driver's own timeouts fire long before)
+
+    def __init__(self, engine_id: str) -> None:
+        self.sock: socket.socket | None = None
+        if sys.platform.startswith("linux"):
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                sock.bind(_wake_address(engine_id))
+                sock.setblocking(False)
+                self.sock = sock
+            except OSError:  # e.g. the name is taken by an engine of another Ray session with the same id
+                self.sock = None
+
+    async def wait(self, handle: SharedWeights) -> bool:
+        """Until rank 0 has written ``handle``'s bytes: True, or False when it laid that push out otherwise
+        (the engine loads nothing from this handle; the real ones follow). `WeightSyncError` when a later
+        push has started, or rank 0 is gone."""
+        from miles_agent.transports.shm import attach_segment, segment_owner_alive
+
+        try:
+            header = attach_segment(handle.path, HEADER_BYTES)
+        except (FileNotFoundError, RuntimeError) as e:
+            raise WeightSyncError(f"the trainer's weight segment {handle.path} cannot be mapped here ({e})") from None
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.TIMEOUT_S
+        while True:
+            self._drain()  # before reading the mark: a wake-up that comes after it is not lost
+            written = int(_written(header).item())
+            if abs(written) == handle.generation:
+                return written > 0
+            if int(_generation(header).item()) > handle.generation:
+                raise WeightSyncError(f"the weights in {handle.path} were overwritten by a later push before "
+                                      f"this one (generation {handle.generation}) was written: push again")
+            if not segment_owner_alive(handle.path) or time.monotonic() > deadline:
+                raise WeightSyncError(f"the trainer stopped writing the weights in {handle.path} (generation "
+                                      f"{handle.generation}) part way: it died or hangs")
+            if self.sock is None:
+                await asyncio.sleep(0.001)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(loop.sock_recv(self.sock, 16), self.POLL_S)
+
+    def _drain(self) -> None:
+        if self.sock is None:
+            return
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while True:
+                self.sock.recv(16)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None

@@ -10,6 +10,10 @@ Two carriers, one protocol (`EngineActor.sync_weights_part`):
 
 A push that runs out of shared memory part way sends the rest through ``ray.put``: the gather is a
 collective, so rank 0 cannot start it again; later pushes then use ``ray.put`` only.
+
+Once the shared-memory layout has settled, a push is announced: each engine gets its one handle before rank
+0 writes, and waits for the bytes (runtime/shared_weights.py). Rank 0 answers the driver as soon as
+everything is sent; the driver waits for the engines' loads (`PendingLoads`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import os
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from miles_agent.runtime.shared_weights import SharedWeights, SharedWeightsWriter
+from miles_agent.runtime.shared_weights import SharedWeights, SharedWeightsWriter, wake_engines
 
 log = logging.getLogger(__name__)
 
@@ -112,75 +117,112 @@ class StorePush:
         self.id = uuid.uuid4().hex  # a retried push of the same version counts its buckets afresh
         self.handles: list[Any] = []  # SharedWeights, then ObjectRefs of what went through ray.put
         self.loads: list[list[Any]] = []  # per dispatched bucket: one sync_weights_part call per engine
+        self.early = 0  # buckets sent while writing, before their count was known (`pipelines`)
+        self.announced: SharedWeights | None = None  # sent before writing (`SharedWeightsWriter.announce`)
         self.packed: Any = None  # what is left for ray.put (`PackedWeights`)
         self.nbytes = 0
         self.started = time.perf_counter()  # made as the gather starts
 
-    def write(self, named_tensors: Iterable[tuple[str, Any]], shared: bool, dispatch: bool, staging: list[Any]) -> None:
+    def write(self, named_tensors: Iterable[tuple[str, Any]], shared: bool, dispatch: bool, staging: list[Any],
+              announce: bool = False) -> None:
         """Rank 0 reads the gathered weights (all of them: the gather is a collective). ``shared``: into the
         segments, each bucket sent on (``dispatch``) as soon as it is in place; the rest, or everything,
         packed for ``ray.put`` in `finish`. Not ``dispatch`` (`pipelines`): the engines load after the
-        writes, one call per segment."""
+        writes, one call per segment -- or, with ``announce`` (engines that may pause while rank 0 gathers:
+        not colocated) and a settled layout, the whole push's handle goes to them before the first byte is
+        written, and they wait for the bytes (the call's latency and their pause overlap the writes)."""
         from miles_agent.runtime.packed_weights import pack_weights
         from miles_agent.transports.shm import SegmentUnavailable
 
         rest: Iterable[tuple[str, Any]] = named_tensors
-        if shared:
-            tensors = iter(named_tensors)
-            try:
-                for handle in self.sender.writer.write(tensors, self.bucket_bytes):
-                    self._add(handle, dispatch)
-                rest = ()
-            except SegmentUnavailable as e:
-                self.sender.turn_off(str(e))
-                rest = itertools.chain([e.unwritten], tensors) if e.unwritten is not None else tensors
-        self.packed = pack_weights(rest, staging)
+        if shared and announce and not dispatch:
+            self.announced = self.sender.writer.announce()
+            if self.announced is not None:  # counted as this push's one part only if the push matches it
+                self.loads.append([e.sync_weights_part.remote(self.announced, self.version, self.id, 0, 1, True)
+                                   for e in self.engines])
+        try:
+            if shared:
+                tensors = iter(named_tensors)
+                try:
+                    for handle in self.sender.writer.write(tensors, self.bucket_bytes, self.announced):
+                        self._add(handle, dispatch)
+                    rest = ()
+                except SegmentUnavailable as e:
+                    self.sender.turn_off(str(e))
+                    rest = itertools.chain([e.unwritten], tensors) if e.unwritten is not None else tensors
+            self.packed = pack_weights(rest, staging)
+        except BaseException:
+            if self.announced is not None:  # the engines paused for a push that will not come: they go on
+                for e in self.engines:
+                    e.sync_weights_abandoned.remote(self.id)
+            raise
 
     def finish(self) -> list[Any]:
-        """Send what is left, wait until every engine has loaded every bucket: ``[handles, stats]`` (bytes,
-        buckets, those through shared memory, engines whose memory had been released, and where the time
-        went: rank 0's gather with its shared-memory writes, then any ``ray.put`` and the wait for the
-        last loads). An engine that dies fails the push with `WeightSyncError` (the supervisor replaces it
-        and pushes again)."""
+        """Send what is left: ``[handles, stats, pending]`` (bytes, buckets, those through shared memory, and
+        rank 0's gather with its shared-memory writes; the `PendingLoads` of every engine). Rank 0 returns
+        these at once: the driver waits for the loads itself (`PendingLoads.wait`), one hop sooner than
+        through rank 0."""
         import ray
 
-        from miles_agent.runtime.supervisor import actor_failures
-        from miles_agent.transports.core import WeightSyncError
-
         written = time.perf_counter()
-        early = len(self.loads)  # sent while writing, before the count was known
+        if self.announced is not None:  # the written mark is set: as announced, or not (then the handles follow)
+            wake_engines(e._actor_id.hex() for e in self.engines)
+        early = self.early
         self.handles[early:] = merged(self.handles[early:])  # written but held back: one load per segment
         shared = len(self.handles)
         buckets = self.packed.split(self.bucket_bytes) if self.packed is not None and self.packed.parts else []
         total = shared + len(buckets)  # the engines resume once they have loaded this many
-        for handle in self.handles[early:]:
+        matched = self.announced is not None and self.sender.writer.as_announced  # then the engines have it all
+        for handle in [] if matched else self.handles[early:]:
             self._dispatch(handle, total)
         for bucket in buckets:
             ref = ray.put(bucket)
             self.handles.append(ref)
             self.nbytes += bucket.nbytes
             self._dispatch(ref, total)
-        calls = [ref for per_bucket in self.loads for ref in per_bucket]
-        if early:  # those parts went out with count 0: the count follows
-            calls += [e.sync_weights_done.remote(self.id, total) for e in self.engines]
-        try:
-            done = ray.get(calls)
-        except actor_failures() as e:  # not this rank's failure: the driver must not take it for one
-            raise WeightSyncError(f"an engine died while loading the pushed weights ({type(e).__name__})") from None
-        n = len(self.engines)
-        released = sum(any(done[i * n + j] for i in range(len(self.loads))) for j in range(n))
-        return [self.handles, {"sync_bytes": float(self.nbytes), "sync_buckets": float(total),
-                               "sync_shared_buckets": float(shared), "engine_memory_resumed": float(released),
-                               "sync_write_s": written - self.started, "sync_load_wait_s": time.perf_counter() - written}]
+        done = [e.sync_weights_done.remote(self.id, total) for e in self.engines] if early else []
+        stats = {"sync_bytes": float(self.nbytes), "sync_buckets": float(total), "sync_shared_buckets": float(shared),
+                 "sync_announced": float(matched), "sync_write_s": written - self.started}
+        return [self.handles, stats, PendingLoads(self.loads, done, len(self.engines))]
 
     def _add(self, handle: SharedWeights, dispatch: bool) -> None:
         self.handles.append(handle)
         self.nbytes += handle.nbytes
         if dispatch:
             self._dispatch(handle, 0)
+            self.early += 1
 
     def _dispatch(self, handle: Any, parts: int) -> None:
         """Every engine loads ``handle``: part number ``len(self.loads)`` of ``parts`` (0: not known yet)."""
         part = len(self.loads)
         self.loads.append([e.sync_weights_part.remote(handle, self.version, self.id, part, parts)
                            for e in self.engines])
+
+
+@dataclass
+class PendingLoads:
+    """The engines' load calls of one push, waited for by whoever holds this (the driver: rank 0 hands it back
+    as soon as everything is sent). ``loads``: per bucket, one call per engine; ``done``: the bucket counts
+    sent after parts that went out before it was known."""
+
+    loads: list[list[Any]]
+    done: list[Any]
+    engines: int
+
+    def wait(self) -> dict[str, float]:
+        """Until every engine has loaded every bucket: the engines whose memory had been released, and how
+        long the wait took. An engine that dies fails the push with `WeightSyncError` (the supervisor replaces
+        it and pushes again)."""
+        import ray
+
+        from miles_agent.runtime.supervisor import actor_failures
+        from miles_agent.transports.core import WeightSyncError
+
+        started = time.perf_counter()
+        try:
+            answers = ray.get([ref for per_bucket in self.loads for ref in per_bucket] + self.done)
+        except actor_failures() as e:  # not the trainer's failure: the driver must not take it for one
+            raise WeightSyncError(f"an engine died while loading the pushed weights ({type(e).__name__})") from None
+        n = self.engines
+        released = sum(any(answers[i * n + j] for i in range(len(self.loads))) for j in range(n))
+        return {"engine_memory_resumed": float(released), "sync_load_wait_s": time.perf_counter() - started}

@@ -56,6 +56,7 @@ class TrainerActor:
         self.broadcaster_options: dict[str, Any] = {}
         self.staging: list[Any] = []  # host buffers reused by every pack of the full weights
         self.store_sender: Any = None  # rank 0's object-store pushes (runtime/store_push.py), made on first use
+        self.engine_handles: dict[str, Any] = {}  # actor id -> handle, of the engines pushes went to
         self.pushed_version: int | None = None  # the weights are still this broadcast version (None: changed)
         self.reloaded: dict[str, float] | None = None  # a logprob pass's reload, reported by the next train step
         self.micro_batches = (0, 0)  # this step's (done, total), as the trainer reported it
@@ -124,13 +125,14 @@ class TrainerActor:
     def put_to_engines(self, engines: list[Any], version: int, bucket_bytes: int, shared_memory: bool = True) -> Any:
         """A collective: every rank gathers; rank 0 sends the weights to every engine actor bucket by bucket
         (``bucket_bytes``), through shared memory when they are all on its node (``shared_memory``), else
-        through ``ray.put``, and each engine loads a bucket as soon as it is there, while the next is written
-        (runtime/store_push.py). Rank 0 returns ``[handles, stats]`` (the driver keeps the handles for
-        engines that restart and never reads the bytes), the others None. An engine that dies fails the call
-        with `WeightSyncError` (the supervisor replaces it and pushes again)."""
+        through ``ray.put`` (runtime/store_push.py). ``engines``: actor handles, or the ids of those sent
+        before (`known_engines`). Rank 0 returns ``[handles, stats, pending]`` once everything is sent: the
+        driver keeps the handles for engines that restart (it never reads the bytes) and waits for the loads
+        (`PendingLoads.wait`); the others return None."""
         from miles_agent.runtime.store_push import StorePush, StoreSender, pipelines
 
         started = time.perf_counter()
+        engines = self.known_engines(engines)
         if self.trainer.rank == 0 and self.store_sender is None:
             self.store_sender = StoreSender()
         shared = bool(shared_memory and self.trainer.rank == 0 and self.store_sender.shared_memory_reaches(engines))
@@ -139,9 +141,21 @@ class TrainerActor:
                 return None
             push = StorePush(self.store_sender, engines, version, bucket_bytes)
             push.write(self.trainer.named_weights(), shared=shared, staging=self.staging,
-                       dispatch=pipelines(str(getattr(self.trainer, "device", "cpu")), colocated=self.offload))
-        handles, stats = push.finish()
-        return [handles, {**stats, "sync_rank0_s": time.perf_counter() - started}]
+                       dispatch=pipelines(str(getattr(self.trainer, "device", "cpu")), colocated=self.offload),
+                       announce=not self.offload)
+        handles, stats, pending = push.finish()
+        return [handles, {**stats, "sync_rank0_s": time.perf_counter() - started}, pending]
+
+    def known_engines(self, engines: list[Any]) -> list[Any]:
+        """Engine actor handles from handles or the ids of handles sent before: an actor handle costs its
+        receiver ~0.5 ms to take in, on every push otherwise."""
+        out = []
+        for e in engines:
+            if isinstance(e, str):
+                out.append(self.engine_handles[e])
+            else:
+                out.append(self.engine_handles.setdefault(e._actor_id.hex(), e))
+        return out
 
     def broadcast_weights(self, engines: list[Any], version: int, options: dict[str, Any]) -> Any:
         """A collective: every rank gathers; rank 0 broadcasts to ``engines`` (engine actors or SGLang URLs)
@@ -260,6 +274,7 @@ class RayTrainerGroup:
         self.actors = [cls.options(**options(r)).remote() for r in range(n)]
         self.before_train, self.on_close = before_train, on_close
         self.rank = 0  # the driver speaks for rank 0
+        self._engines_sent: set[str] = set()  # engine actor ids whose handles the ranks have (put_to_engines)
         self.device = torch.device("cpu")  # the driver's side: host tensors only (see the module docstring)
         self.on_micro_batch: Callable[[int, int], None] | None = None
         self._submit = threading.Lock()
@@ -332,11 +347,15 @@ class RayTrainerGroup:
 
     def put_to_engines(self, engine_actors: list[Any], version: int, bucket_bytes: int, shared_memory: bool = True
                        ) -> tuple[list[Any], dict[str, float]]:
-        """Rank 0 sends the weights to ``engine_actors`` bucket by bucket, each loaded as it arrives (see
-        `TrainerActor.put_to_engines`): (handles of the buckets, the push's stats). The driver never reads
-        the bytes; it keeps the handles for engines that restart."""
-        handles, stats = self._on_ranks("put_to_engines", engine_actors, version, bucket_bytes, shared_memory)[0]
-        return handles, stats
+        """Rank 0 sends the weights to ``engine_actors`` bucket by bucket (see `TrainerActor.put_to_engines`),
+        and this waits until every engine has loaded them: (handles of the buckets, the push's stats). The
+        driver never reads the bytes; it keeps the handles for engines that restart. Each engine's handle
+        crosses to the ranks once; later pushes name it by id."""
+        ids = [a._actor_id.hex() for a in engine_actors]
+        sent = [i if i in self._engines_sent else a for i, a in zip(ids, engine_actors)]
+        handles, stats, pending = self._on_ranks("put_to_engines", sent, version, bucket_bytes, shared_memory)[0]
+        self._engines_sent.update(ids)
+        return handles, {**stats, **pending.wait()}
 
     def broadcast_weights(self, engine_actors: list[Any], version: int, options: dict[str, Any]
                           ) -> dict[str, float]:

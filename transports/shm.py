@@ -101,7 +101,6 @@ def _release(fd: int, path: str) -> None:
 def sweep_stale_segments(folder: str) -> int:
     """Delete the segment files in ``folder`` whose owner is gone: no process holds their lock (and they are
     older than `STALE_AFTER_S`, so a file made but not locked yet is spared). Returns how many."""
-    import fcntl
     import time
 
     removed = 0
@@ -112,19 +111,31 @@ def sweep_stale_segments(folder: str) -> int:
             try:
                 if time.time() - os.stat(path).st_mtime < STALE_AFTER_S:
                     continue
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:  # gone meanwhile, or another user's
+            except OSError:  # gone meanwhile
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # its owner is alive
-                continue
-            else:
+            if segment_owner_alive(path) is False:
                 _unlink(path)
                 removed += 1
-            finally:
-                os.close(fd)
     return removed
+
+
+def segment_owner_alive(path: str) -> bool | None:
+    """Whether a process holds the lock of segment ``path`` (its owner lives); None when the file cannot be
+    opened (gone, or another user's)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        return False
+    finally:
+        os.close(fd)  # drops the lock taken to test
 
 
 class SegmentHandle:

@@ -1,11 +1,13 @@
-"""`EngineActor.sync_weights`, the supervisor's one-call weight push (no Ray needed: the plain class):
-it loads the weights as the new version at a step boundary, leaves the engine serving, reports whether
-the memory had been released, and a failed load changes nothing and leaves the engine paused."""
+"""`EngineActor.sync_weights`, the supervisor's one-call weight push, and the parts of a push from trainer
+rank 0 (no Ray needed: the plain class): it loads the weights as the new version at a step boundary, leaves
+the engine serving, reports whether the memory had been released, and a failed load changes nothing and
+leaves the engine paused."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import os
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from miles_agent.engine import SamplingParams
 from miles_agent.models.builder import build_tiny
 from miles_agent.runtime.engine_actor import EngineActor
 from miles_agent.runtime.packed_weights import pack_weights
+from miles_agent.runtime.shared_weights import SharedWeightsWriter, wake_engines
+from miles_agent.runtime.store_push import merged
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
 
@@ -143,3 +147,68 @@ def test_a_push_whose_count_comes_later_resumes_only_when_every_part_has_loaded(
     assert not actor.engine._paused and actor.engine.weight_version == 3 and actor._parts is None
     for name, t in other.state_dict().items():
         assert torch.equal(actor.engine.model.state_dict()[name], t), name
+
+
+def test_an_announced_push_pauses_at_once_and_loads_when_rank_0_has_written_it(tiny):
+    """Rank 0 sends the push's one shared-memory handle before it writes (runtime/shared_weights.py): the
+    engine pauses and waits for the bytes, loads them once rank 0 wakes it, and resumes. When rank 0 lays
+    the push out otherwise after all, that call loads nothing and the engine stays paused until the real
+    parts have loaded; when rank 0's write fails, the engine goes on with the weights it has."""
+    model, tok = tiny
+    actor = EngineActor(copy.deepcopy(model), tok, 4, "cpu")
+    writer = SharedWeightsWriter(min_segment_bytes=1 << 20)
+    engine_id = f"pid-{os.getpid()}"  # outside Ray the engine listens under its pid
+    for _ in range(2):  # the layout settles: one segment of the exact size
+        list(writer.write(iter(model.state_dict().items()), bucket_bytes=64 << 10))
+
+    async def rank0_writes(tensors, announced):
+        before = actor.engine.weight_version
+        await asyncio.sleep(0.2)
+        assert actor.engine._paused and actor.engine.weight_version == before  # paused, waiting for the bytes
+        handles = await asyncio.to_thread(lambda: list(writer.write(iter(tensors), 64 << 10, announced)))
+        wake_engines([engine_id])
+        return merged(handles)
+
+    async def main():
+        first = perturbed(model)
+        announced = writer.announce()
+        released, _ = await asyncio.gather(actor.sync_weights_part(announced, 5, "push-a", 0, 1, True),
+                                           rank0_writes(first.state_dict().items(), announced))
+        assert actor.engine.weight_version == 5 and not actor.engine._paused and actor._parts is None
+        for name, t in first.state_dict().items():
+            assert torch.equal(actor.engine.model.state_dict()[name], t), name
+
+        second = perturbed(model)
+        announced = writer.announce()
+        reordered = list(reversed(second.state_dict().items()))  # another layout than announced
+        _, handles = await asyncio.gather(actor.sync_weights_part(announced, 6, "push-b", 0, 1, True),
+                                          rank0_writes(reordered, announced))
+        assert actor.engine._paused and actor.engine.weight_version == 5  # nothing loaded from that call
+        for i, handle in enumerate(handles, start=1):  # the real parts, as rank 0 sends them next
+            await actor.sync_weights_part(handle, 6, "push-b", i, len(handles))
+        assert actor.engine.weight_version == 6 and not actor.engine._paused
+        for name, t in second.state_dict().items():
+            assert torch.equal(actor.engine.model.state_dict()[name], t), name
+
+        def gather_fails():
+            yield from list(perturbed(model).state_dict().items())[:3]
+            raise RuntimeError("a trainer rank died in the gather")
+
+        async def rank0_fails(announced):
+            await asyncio.sleep(0.2)
+            with pytest.raises(RuntimeError, match="gather"):
+                await asyncio.to_thread(lambda: list(writer.write(gather_fails(), 64 << 10, announced)))
+            wake_engines([engine_id])
+            await actor.sync_weights_abandoned("push-c")  # what rank 0 sends when its write fails
+
+        announced = writer.announce()
+        await asyncio.gather(actor.sync_weights_part(announced, 7, "push-c", 0, 1, True), rank0_fails(announced))
+        assert not actor.engine._paused and actor.engine.weight_version == 6  # serving again, weights untouched
+        for name, t in second.state_dict().items():
+            assert torch.equal(actor.engine.model.state_dict()[name], t), name
+        await actor.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        writer.close()

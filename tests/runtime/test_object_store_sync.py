@@ -1,7 +1,8 @@
 """The default Ray weight path (sync.transport=object-store): trainer rank 0 sends the weights bucket by bucket
 -- through shared memory to engines on its node, else through ray.put -- and every engine actor loads each
-bucket while the next is written. When a push returns, every engine holds exactly the trainer's weights at
-that version and generates again (unpaused)."""
+bucket while the next is written (or, once the layout has settled, is told of the push before the bytes are
+written and waits for them). When a push returns, every engine holds exactly the trainer's weights at that
+version and generates again (unpaused)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ TINY = {"model.warm_start": None, "rollout.prompts_per_step": 2, "rollout.sample
 
 
 def test_every_bucket_has_loaded_on_every_engine_when_a_push_returns(ray_session, tmp_path):
-    cfg = load_config("tiny-cpu", {**TINY, "run.steps": 1, "run.run_dir": str(tmp_path)})
+    cfg = load_config("tiny-cpu", {**TINY, "run.steps": 3, "run.run_dir": str(tmp_path)})
     run = Run(cfg)
     sup = run.engine
     try:
@@ -39,7 +40,9 @@ def test_every_bucket_has_loaded_on_every_engine_when_a_push_returns(ray_session
 
         run.transport.push = push_then_look
         records = asyncio.run(run.train())
-        assert len(records) == 1 and len(pushed) == 1
+        assert len(records) == 3 and len(pushed) == 3
+        # the third push has a settled layout: the engines had its handle before rank 0 wrote the bytes
+        assert [p["sync_announced"] for p in pushed] == [0.0, 0.0, 1.0]
         for version, p in enumerate(pushed, start=1):
             assert p["sync_buckets"] >= 1 and p["sync_engines"] == 2  # 1 MiB buckets (one load call per
             assert p["sync_shared_buckets"] == p["sync_buckets"]  # segment on few cores), all through shared memory

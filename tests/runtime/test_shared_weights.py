@@ -1,21 +1,34 @@
 """Trainer rank 0's shared-memory segments for object-store pushes to engines on its node
 (runtime/shared_weights.py, runtime/store_push.py), without Ray: what another process reads through a
 handle is exactly what was written, byte for byte and dtype for dtype; segments are reused from push to
-push; a handle from an earlier push refuses to load; and running out of shared memory part way sends the
-rest through ``ray.put`` without losing or repeating a tensor."""
+push; a handle from an earlier push refuses to load; running out of shared memory part way sends the
+rest through ``ray.put`` without losing or repeating a tensor; and an engine told of a push before its bytes
+are written waits for them, woken by rank 0, and is not left waiting on a push that will not come."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import multiprocessing
 import os
 import pickle
+import signal
+import threading
+import time
+import uuid
 
 import pytest
 import torch
 
-from miles_agent.runtime.shared_weights import SharedWeights, SharedWeightsWriter
-from miles_agent.runtime.store_push import StorePush, StoreSender
+from miles_agent.runtime.shared_weights import (
+    SharedWeights,
+    SharedWeightsWriter,
+    WrittenWaiter,
+    _written,
+    wake_engines,
+)
+from miles_agent.runtime.store_push import StorePush, StoreSender, merged
 from miles_agent.transports.core import TensorMeta, WeightSyncError
 
 
@@ -120,3 +133,113 @@ def test_a_tmpfs_smaller_than_one_segment_is_not_used(monkeypatch, caplog):
     sender = StoreSender()
     assert not sender.shared_memory_reaches([])
     assert "has 0 MiB free" in sender.unavailable and "--shm-size" in caplog.text
+
+
+def settled(writer: SharedWeightsWriter) -> None:
+    """Two pushes: the second moves into one segment of the exact size, so the layout has settled."""
+    for seed in (10, 11):
+        list(writer.write(iter(weights(seed)), bucket_bytes=64 << 10))
+
+
+def test_an_announced_push_matches_the_handle_sent_before_its_bytes_or_marks_that_it_does_not():
+    """Rank 0 sends the engines the next push's handle before writing (the last push's layout in the same
+    segment); the header's written mark then says whether the bytes are in place as announced (+generation)
+    or the push was laid out otherwise or abandoned (-generation): engines wait on that mark."""
+    writer = SharedWeightsWriter(min_segment_bytes=256 << 10)
+    try:
+        assert writer.announce() is None  # nothing laid out yet
+        list(writer.write(iter(weights(10)), bucket_bytes=64 << 10))
+        assert writer.announce() is None  # the next push moves into one exact segment: a new file
+        list(writer.write(iter(weights(11)), bucket_bytes=64 << 10))
+        (segment,) = writer.segments
+
+        announced = writer.announce()
+        assert announced is not None and announced.generation == writer.generation + 1
+        handles = list(writer.write(iter(weights(12)), bucket_bytes=64 << 10, announced=announced))
+        assert writer.as_announced and merged(handles) == [announced]
+        assert _written(segment.tensor).item() == announced.generation
+        for name, t in announced.tensors():
+            assert torch.equal(t, dict(weights(12))[name]), name
+
+        other = [(n, t[:400] if n == "big" else t) for n, t in weights(13)]  # a smaller tensor: another layout
+        announced = writer.announce()
+        handles = list(writer.write(iter(other), bucket_bytes=64 << 10, announced=announced))
+        assert not writer.as_announced and merged(handles) != [announced]
+        assert _written(segment.tensor).item() == -announced.generation  # the waiting engines load nothing
+        for name, t in (nt for h in handles for nt in h.tensors()):
+            assert torch.equal(t, dict(other)[name]), name
+
+        def failing():
+            yield from weights(14)[:2]
+            raise RuntimeError("a trainer rank died in the gather")
+
+        announced = writer.announce()
+        assert announced is not None and announced.metas == merged(handles)[0].metas  # the last push's layout
+        with pytest.raises(RuntimeError, match="gather"):
+            list(writer.write(failing(), bucket_bytes=64 << 10, announced=announced))
+        assert _written(segment.tensor).item() == -announced.generation
+    finally:
+        writer.close()
+
+
+def _wait(handle: SharedWeights, waiter: WrittenWaiter, timeout: float = 10.0):
+    async def main():
+        return await asyncio.wait_for(waiter.wait(handle), timeout)
+
+    return asyncio.run(main())
+
+
+def test_an_engine_waiting_on_an_announced_push_is_woken_when_the_bytes_are_in_place():
+    writer = SharedWeightsWriter(min_segment_bytes=256 << 10)
+    engine_id = f"test-{uuid.uuid4().hex}"
+    waiter = WrittenWaiter(engine_id)
+    waiter.POLL_S = 3600.0  # only the wake-up can end these waits in time
+    try:
+        settled(writer)
+        for tensors, as_announced in ((weights(20), True), (list(reversed(weights(21))), False)):
+            announced = writer.announce()
+
+            def rank0(tensors=tensors, announced=announced):
+                time.sleep(0.2)  # the engine is waiting by then
+                list(writer.write(iter(tensors), bucket_bytes=64 << 10, announced=announced))
+                wake_engines([engine_id])
+
+            thread = threading.Thread(target=rank0)
+            thread.start()
+            started = time.monotonic()
+            assert _wait(announced, waiter) is as_announced  # in the wrong order: load nothing from it
+            assert time.monotonic() - started >= 0.2
+            thread.join()
+        stale = SharedWeights(announced.path, announced.generation - 1, announced.metas)
+        with pytest.raises(WeightSyncError, match="overwritten by a later push"):
+            _wait(stale, waiter)
+    finally:
+        waiter.close()
+        writer.close()
+
+
+def _own_segments(pipe) -> None:
+    writer = SharedWeightsWriter(min_segment_bytes=256 << 10)
+    settled(writer)
+    pipe.send(writer.announce())
+    time.sleep(3600)
+
+
+def test_an_engine_waiting_on_a_push_whose_trainer_died_gives_up_with_the_cause():
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    owner = ctx.Process(target=_own_segments, args=(theirs,), daemon=True)
+    owner.start()
+    try:
+        announced = ours.recv()
+        waiter = WrittenWaiter(f"test-{uuid.uuid4().hex}")
+        waiter.POLL_S = 0.05
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join()
+        with pytest.raises(WeightSyncError, match="stopped writing.*died"):
+            _wait(announced, waiter)
+        waiter.close()
+    finally:
+        owner.kill()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(announced.path)
