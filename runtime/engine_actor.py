@@ -95,21 +95,30 @@ class EngineActor:
                 raise
         else:
             await asyncio.shield(state["ready"])
-        if announced and not await self._written(weights):
-            return first and state["released"]
-        await self.update_weights(weights, version)
+        if announced:
+            if not await self._load_announced(weights, version):
+                return first and state["released"]
+        else:
+            await self.update_weights(weights, version)
         state["loaded"] += 1
         await self._finish_push(state, parts)
         return first and state["released"]
 
-    async def _written(self, weights: Any) -> bool:
+    async def _load_announced(self, weights: Any, version: int) -> bool:
+        """Load an announced `SharedWeights` once rank 0 has written it: the views and the name checks are
+        made now, and the loading thread itself waits for the bytes (woken by rank 0), so the copy starts the
+        moment they are in place. False when that push was laid out otherwise (nothing loaded)."""
         from miles_agent.runtime.shared_weights import WrittenWaiter
 
         if self._written_waiter is None:  # woken by actor id: rank 0 knows its engines' (outside Ray: by pid)
             ray = sys.modules.get("ray")  # not imported outside an actor (importing it here would start nothing)
             in_actor = ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id()
             self._written_waiter = WrittenWaiter(in_actor or f"pid-{os.getpid()}")
-        return await self._written_waiter.wait(weights)
+        waiter = self._written_waiter
+        if not await self.engine.update_weights(weights.views(), version, ready=lambda: waiter.wait(weights)):
+            return False
+        weights.check()  # the trainer did not start overwriting them while they were copied
+        return True
 
     async def sync_weights_abandoned(self, push: str) -> None:
         """Rank 0 could not write the push ``push`` it had announced (its gather failed): nothing of it has

@@ -25,7 +25,6 @@ that call, and rank 0 sends the real handles.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 import sys
@@ -64,6 +63,13 @@ class SharedWeights:
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Named views into the segment (no copy): load them (copy them into parameters), then `check` that
         the trainer did not overwrite them meanwhile."""
+        views = self.views()
+        self.check()
+        return views
+
+    def views(self) -> list[tuple[str, torch.Tensor]]:
+        """`tensors` without the check that they are this handle's generation (an announced push's, before
+        the bytes are written)."""
         from miles_agent.transports.shm import attach_segment
 
         try:
@@ -73,14 +79,20 @@ class SharedWeights:
                 f"the trainer's weight segment {self.path} cannot be mapped here ({e}): the engine is on another "
                 "node than trainer rank 0, or the trainer has closed. Set sync.shared_memory=false to push "
                 "through Ray's object store") from None
-        self._check(segment)
         return unpack(segment, self.metas)
+
+    def header(self) -> torch.Tensor:
+        """The segment's header (its generation and written mark), mapped."""
+        from miles_agent.transports.shm import attach_segment
+
+        try:
+            return attach_segment(self.path, HEADER_BYTES)
+        except (FileNotFoundError, RuntimeError) as e:
+            raise WeightSyncError(f"the trainer's weight segment {self.path} cannot be mapped here ({e})") from None
 
     def check(self) -> None:
         """Raise if the trainer has started another push into this segment (call it after loading)."""
-        from miles_agent.transports.shm import attach_segment
-
-        self._check(attach_segment(self.path, HEADER_BYTES))
+        self._check(self.header())
 
     def _check(self, segment: torch.Tensor) -> None:
         now = int(_generation(segment).item())
@@ -277,17 +289,15 @@ class WrittenWaiter:
             except OSError:  # e.g. the name is taken by an engine of another Ray session with the same id
                 self.sock = None
 
-    async def wait(self, handle: SharedWeights) -> bool:
-        """Until rank 0 has written ``handle``'s bytes: True, or False when it laid that push out otherwise
-        (the engine loads nothing from this handle; the real ones follow). `WeightSyncError` when a later
-        push has started, or rank 0 is gone."""
-        from miles_agent.transports.shm import attach_segment, segment_owner_alive
+    def wait(self, handle: SharedWeights) -> bool:
+        """Block until rank 0 has written ``handle``'s bytes: True, or False when it laid that push out
+        otherwise (the engine loads nothing from this handle; the real ones follow). `WeightSyncError` when a
+        later push has started, or rank 0 is gone. Runs on the engine's loading thread."""
+        import select
 
-        try:
-            header = attach_segment(handle.path, HEADER_BYTES)
-        except (FileNotFoundError, RuntimeError) as e:
-            raise WeightSyncError(f"the trainer's weight segment {handle.path} cannot be mapped here ({e})") from None
-        loop = asyncio.get_running_loop()
+        from miles_agent.transports.shm import segment_owner_alive
+
+        header = handle.header()
         deadline = time.monotonic() + self.TIMEOUT_S
         while True:
             self._drain()  # before reading the mark: a wake-up that comes after it is not lost
@@ -301,10 +311,9 @@ class WrittenWaiter:
                 raise WeightSyncError(f"the trainer stopped writing the weights in {handle.path} (generation "
                                       f"{handle.generation}) part way: it died or hangs")
             if self.sock is None:
-                await asyncio.sleep(0.001)
-                continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(loop.sock_recv(self.sock, 16), self.POLL_S)
+                time.sleep(0.001)
+            else:
+                select.select([self.sock], [], [], self.POLL_S)
 
     def _drain(self) -> None:
         if self.sock is None:

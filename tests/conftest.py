@@ -8,6 +8,11 @@ import sys
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray reads its loopback switch when first imported, and any test module may import it first (a helper that
+# imports ray inside a function): set it before all of them, so every Ray this suite starts binds 127.0.0.1.
+from miles_agent.runtime.ray_cluster import loopback_only  # noqa: E402
+
+loopback_only()
 
 
 @pytest.fixture(autouse=True)

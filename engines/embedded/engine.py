@@ -45,7 +45,7 @@ import contextlib
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -222,20 +222,26 @@ class EmbeddedEngine:
         self._paused = False
         self._wake.set()
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                             ready: Callable[[], bool] | None = None) -> bool:
         """Copy tensors into the model by HF name and set the version; waits for any step in flight.
 
         All names and shapes are checked before anything is copied, so a bad bucket changes nothing.
+        ``ready``: blocks, on the loading thread, until the tensors' bytes are in place (views of memory
+        another process is still writing); False when they will not come: nothing loads, and this returns
+        False. Returns whether the weights loaded.
         """
         self._bind_loop()
         assert self._lock is not None
         items = list(named_tensors)
         async with self._exclusive():
-            await asyncio.to_thread(self.runner.load_weights, items)
+            if not await asyncio.to_thread(self.runner.load_weights, items, ready):
+                return False
             self._epoch += 1
             self.cache.clear()  # everything cached was computed by the old weights
             self._slot_tokens.clear()  # and so was every free slot's KV
             self._version = int(version)
+        return True
 
     async def health(self) -> bool:
         """True while the scheduler task is alive (starting it if needed) and the engine is not shut down."""

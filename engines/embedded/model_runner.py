@@ -475,11 +475,13 @@ class ModelRunner:
         return VisionInputs(rope[:, 0], int(delta.reshape(-1)[0]), cols, feats, deep)
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], ready: Callable[[], bool] | None = None
+                     ) -> bool:
         """Copy tensors into parameters/buffers by HF name; check every name and shape before copying any.
-        Every call counts a new weights epoch, an empty one too: a receiver that broadcast straight into the
-        parameters ends its sync with one, so copies derived from the weights are made again."""
-        self.weights_epoch += 1
+        Every call that copies counts a new weights epoch, an empty one too: a receiver that broadcast straight
+        into the parameters ends its sync with one, so copies derived from the weights are made again.
+        ``ready``: called after the checks, before the first copy -- blocks until the tensors' bytes are in
+        place, False when they will not come (nothing is loaded then). Returns whether it loaded."""
         targets = dict(self.model.named_parameters(remove_duplicate=False))
         targets.update(self.model.named_buffers(remove_duplicate=False))
         for name, tensor in named_tensors:
@@ -488,6 +490,9 @@ class ModelRunner:
             if tuple(targets[name].shape) != tuple(tensor.shape):
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(targets[name].shape)} in the "
                                  f"model but {tuple(tensor.shape)} was sent")
+        if ready is not None and not ready():
+            return False
+        self.weights_epoch += 1
         same = []  # same device and dtype: copied together, host ones on a few threads (the engine is paused)
         for name, tensor in named_tensors:
             target = targets[name]
@@ -496,3 +501,4 @@ class ModelRunner:
             else:
                 target.copy_(tensor)  # converts as it copies
         copy_many_(same)
+        return True
