@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 from collections import deque
@@ -235,7 +236,8 @@ class EmbeddedEngine:
         assert self._lock is not None
         items = list(named_tensors)
         async with self._exclusive():
-            if not await asyncio.to_thread(self.runner.load_weights, items, ready):
+            load = self.runner.load_weights if ready is None else functools.partial(self.runner.load_weights, ready=ready)
+            if await asyncio.to_thread(load, items) is False:  # the bytes will not come: nothing loaded
                 return False
             self._epoch += 1
             self.cache.clear()  # everything cached was computed by the old weights
