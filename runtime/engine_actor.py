@@ -111,7 +111,7 @@ class EngineActor:
         from miles_agent.runtime.shared_weights import WrittenWaiter
 
         if self._written_waiter is None:  # woken by actor id: rank 0 knows its engines' (outside Ray: by pid)
-            ray = sys.modules.get("ray")  # not imported outside an actor (importing it here would start nothing)
+            ray = sys.modules.get("ray")  # imported in any actor; outside one (tests) it stays unimported
             in_actor = ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id()
             self._written_waiter = WrittenWaiter(in_actor or f"pid-{os.getpid()}")
         waiter = self._written_waiter

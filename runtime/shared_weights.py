@@ -276,7 +276,7 @@ class WrittenWaiter:
     """An engine's wait for an announced push's bytes (see the module docstring)."""
 
     POLL_S = 0.05  # without a wake-up (none on macOS, or one missed): how often the mark is read again
-    TIMEOUT_S = 600.0  # rank 0 alive but never done: give up (the driver's own timeouts fire long before)
+    TIMEOUT_S = 600.0  # rank 0 alive but never done: give up rather than keep the engine paused for ever
 
     def __init__(self, engine_id: str) -> None:
         self.sock: socket.socket | None = None
@@ -299,6 +299,7 @@ class WrittenWaiter:
 
         header = handle.header()
         deadline = time.monotonic() + self.TIMEOUT_S
+        next_look = 0.0  # when to look again whether rank 0 still lives (a file open per look)
         while True:
             self._drain()  # before reading the mark: a wake-up that comes after it is not lost
             written = int(_written(header).item())
@@ -307,9 +308,12 @@ class WrittenWaiter:
             if int(_generation(header).item()) > handle.generation:
                 raise WeightSyncError(f"the weights in {handle.path} were overwritten by a later push before "
                                       f"this one (generation {handle.generation}) was written: push again")
-            if not segment_owner_alive(handle.path) or time.monotonic() > deadline:
-                raise WeightSyncError(f"the trainer stopped writing the weights in {handle.path} (generation "
-                                      f"{handle.generation}) part way: it died or hangs")
+            now = time.monotonic()
+            if now >= next_look:
+                if not segment_owner_alive(handle.path) or now > deadline:
+                    raise WeightSyncError(f"the trainer stopped writing the weights in {handle.path} (generation "
+                                          f"{handle.generation}) part way: it died or hangs")
+                next_look = now + self.POLL_S
             if self.sock is None:
                 time.sleep(0.001)
             else:
