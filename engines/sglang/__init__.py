@@ -42,7 +42,7 @@ def model_folder(cfg: Any, model: Any = None, tokenizer: Any = None) -> str:
 def build_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> list[Any]:
     """SGLang servers over HTTP: attach to ``sglang.external_urls`` or launch ``sglang.num_servers``."""
     from miles_agent.engines.sglang.client import SGLangEngine
-    from miles_agent.engines.sglang.server import DEFAULT_LAUNCH, SGLangServer, free_port, server_argv
+    from miles_agent.engines.sglang.server import DEFAULT_LAUNCH, SGLangServer, free_ports, server_argv
 
     if getattr(cfg.sections.get("lora"), "enabled", False):
         from miles_agent.errors import UserError
@@ -58,8 +58,11 @@ def build_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> list[An
         model_path = model_folder(cfg, model, tokenizer)
         engines = []
         try:
-            for i in range(sg.num_servers):
-                port = sg.base_port + i if sg.base_port else free_port(sg.host)
+            if sg.base_port:
+                ports = [sg.base_port + i for i in range(sg.num_servers)]
+            else:  # picked together, so no two servers are handed the same one
+                ports = free_ports(sg.num_servers, sg.host)
+            for i, port in enumerate(ports):
                 url = f"http://{sg.host}:{port}"
                 argv = server_argv(sg.launch_command or DEFAULT_LAUNCH, model_path, sg.host, port, launch_args(sg))
                 server = SGLangServer(argv, url, Path(cfg.run.run_dir) / "sglang" / f"server{i}.log")
