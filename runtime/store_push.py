@@ -160,8 +160,8 @@ class StorePush:
     def finish(self) -> list[Any]:
         """Send what is left: ``[handles, stats, pending]`` (bytes, buckets, those through shared memory, and
         rank 0's gather with its shared-memory writes; the `PendingLoads` of every engine). Rank 0 returns
-        these at once: the driver waits for the loads itself (`PendingLoads.wait`), one hop sooner than
-        through rank 0."""
+        these at once: the driver waits for the loads itself (`PendingLoads.wait`), so this answer crosses
+        while the engines load instead of after (their answers still pass through rank 0, which owns the calls)."""
         import ray
 
         written = time.perf_counter()
