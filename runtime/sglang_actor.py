@@ -26,7 +26,8 @@ def remote_server_class() -> Any:
                      loopback: bool, visible_devices: str = "") -> None:
             import os
 
-            from miles_agent.engines.sglang.server import SGLangServer, free_port, server_argv
+            from miles_agent.engines.sglang.server import SGLangServer, server_argv
+            from miles_agent.transports.groups import free_port
 
             if visible_devices:  # a TP server over several colocated ranks' GPUs (the server inherits it)
                 os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices

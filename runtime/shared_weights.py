@@ -70,36 +70,30 @@ class SharedWeights:
     def views(self) -> list[tuple[str, torch.Tensor]]:
         """`tensors` without the check that they are this handle's generation (an announced push's, before
         the bytes are written)."""
+        return unpack(self._mapped(max(m.end_idx for m in self.metas)), self.metas)
+
+    def header(self) -> torch.Tensor:
+        """The segment's header (its generation and written mark), mapped."""
+        return self._mapped(HEADER_BYTES)
+
+    def check(self) -> None:
+        """Raise if the trainer has started another push into this segment (call it after loading)."""
+        now = int(_generation(self.header()).item())
+        if now != self.generation:
+            raise WeightSyncError(
+                f"the weights in {self.path} were overwritten by a later push (generation {now}, this handle's "
+                f"{self.generation}): a push failed part way and left its predecessor's handles; push again")
+
+    def _mapped(self, nbytes: int) -> torch.Tensor:
         from miles_agent.transports.shm import attach_segment
 
         try:
-            segment = attach_segment(self.path, max(m.end_idx for m in self.metas))
+            return attach_segment(self.path, nbytes)
         except (FileNotFoundError, RuntimeError) as e:
             raise WeightSyncError(
                 f"the trainer's weight segment {self.path} cannot be mapped here ({e}): the engine is on another "
                 "node than trainer rank 0, or the trainer has closed. Set sync.shared_memory=false to push "
                 "through Ray's object store") from None
-        return unpack(segment, self.metas)
-
-    def header(self) -> torch.Tensor:
-        """The segment's header (its generation and written mark), mapped."""
-        from miles_agent.transports.shm import attach_segment
-
-        try:
-            return attach_segment(self.path, HEADER_BYTES)
-        except (FileNotFoundError, RuntimeError) as e:
-            raise WeightSyncError(f"the trainer's weight segment {self.path} cannot be mapped here ({e})") from None
-
-    def check(self) -> None:
-        """Raise if the trainer has started another push into this segment (call it after loading)."""
-        self._check(self.header())
-
-    def _check(self, segment: torch.Tensor) -> None:
-        now = int(_generation(segment).item())
-        if now != self.generation:
-            raise WeightSyncError(
-                f"the weights in {self.path} were overwritten by a later push (generation {now}, this handle's "
-                f"{self.generation}): a push failed part way and left its predecessor's handles; push again")
 
 
 def _aligned(nbytes: int) -> int:

@@ -3,6 +3,7 @@ engine side (receiver.py, the SGLang client, Ray rank 0) share to meet on one gr
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from datetime import timedelta
 from typing import Any
@@ -51,6 +52,14 @@ def unused_group_name(name: str) -> str:
 
 
 def free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+    return free_ports(1, address)[0]
+
+
+def free_ports(n: int, address: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free now: all held open together while they are picked. Picked one at a time,
+    before the server given the last one has bound it, the kernel may hand out the same port twice."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((address, 0))
+        return [s.getsockname()[1] for s in socks]

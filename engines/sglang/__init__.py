@@ -42,7 +42,8 @@ def model_folder(cfg: Any, model: Any = None, tokenizer: Any = None) -> str:
 def build_engines(cfg: Any, model: Any = None, tokenizer: Any = None) -> list[Any]:
     """SGLang servers over HTTP: attach to ``sglang.external_urls`` or launch ``sglang.num_servers``."""
     from miles_agent.engines.sglang.client import SGLangEngine
-    from miles_agent.engines.sglang.server import DEFAULT_LAUNCH, SGLangServer, free_ports, server_argv
+    from miles_agent.engines.sglang.server import DEFAULT_LAUNCH, SGLangServer, server_argv
+    from miles_agent.transports.groups import free_ports
 
     if getattr(cfg.sections.get("lora"), "enabled", False):
         from miles_agent.errors import UserError

@@ -13,7 +13,6 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,20 +49,6 @@ def server_argv(launch: str, model_path: str, host: str, port: int, server_args:
         else:
             argv += [flag, str(value)]
     return argv
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free now: all held open together while they are picked. Picked one at a time,
-    before the server given the last one has bound it, the kernel may hand out the same port twice."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 class SGLangServer:

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from miles_agent.config import load_config
-from miles_agent.engines.sglang.server import SGLangServer, free_port
+from miles_agent.engines.sglang.server import SGLangServer
 from miles_agent.loop import Run
 from miles_agent.runtime.sglang_colocate import ServerMemory
+from miles_agent.transports.groups import free_port
 
 FAKE = Path(__file__).parents[1] / "sglang" / "fake_sglang_server.py"
 PROMPT = {"input_ids": [5, 17, 42, 99], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
