@@ -56,9 +56,13 @@ engine_start() {
     return 0
   fi
   rm -f "$SOCK"
-  # A unix socket of our own (never TCP): only this machine's users with access to $STATE reach it.
+  # A unix socket of our own (never TCP): only this machine's users with access to $STATE reach it. Started
+  # from / : the service outlives this checkout, and once its working directory is deleted every container
+  # start fails ("write child: broken pipe").
+  pushd / > /dev/null
   setsid podman --runtime runc system service --time=0 "unix://$SOCK" > "$STATE/service.log" 2>&1 < /dev/null &
   echo $! > "$STATE/service.pid"
+  popd > /dev/null
   for _ in $(seq 1 100); do [ -S "$SOCK" ] && return 0; sleep 0.1; done
   echo "container-engine: podman service did not create $SOCK; see $STATE/service.log" >&2
   return 1
